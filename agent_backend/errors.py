@@ -1,0 +1,292 @@
+"""Every exception agent_backend raises, in one tree.
+
+Two audiences, kept apart:
+
+* **model-facing** errors describe something the model did wrong (bad
+  arguments, an unknown tool). They are meant to be turned into a short
+  message the model can act on (``to_model_message()``), never to crash a run.
+* **developer-facing** errors describe a misconfiguration or an infrastructure
+  failure. They are raised to the code that called agent_backend.
+
+::
+
+    AgentBackendError
+    ├── ModelFacingError
+    │   ├── ToolArgumentError        arguments unparseable or invalid after repair
+    │   └── UnknownToolError         no tool of that name
+    ├── SchemaError                  a tool schema is malformed (file, pointer)
+    │   └── SchemaRefError           unresolvable or ref-only cyclic $ref
+    ├── ConfigError                  a bad pool/config file (file, key, expected)
+    └── BackendError                 the place a tool runs failed
+        ├── BackendUnavailable       cannot reach / start the backend
+        ├── WorkerLost               the worker died mid-call
+        └── ToolTimeout              also a TimeoutError
+
+Every error pickles with its fields (they cross process and Ray boundaries):
+``AgentBackendError.__reduce__`` rebuilds the instance from its message and
+its ``__dict__`` instead of re-calling ``__init__``, so subclasses with
+keyword-only fields need no pickling code of their own.
+
+This module must never import a third-party library: third-party exceptions
+are mapped to these classes at the boundary where they occur.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "AgentBackendError",
+    "ArgumentIssue",
+    "BackendError",
+    "BackendUnavailable",
+    "ConfigError",
+    "ModelFacingError",
+    "SchemaError",
+    "SchemaRefError",
+    "ToolArgumentError",
+    "ToolTimeout",
+    "UnknownToolError",
+    "WorkerLost",
+]
+
+#: Upper bound on any message handed to a model (PITFALLS 7: feedback that
+#: repeats the whole input per nested error explodes the context).
+MODEL_MESSAGE_LIMIT = 2048
+
+
+def _restore(cls: type[AgentBackendError], message: str, state: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, message)
+    obj.__dict__.update(state)
+    return obj
+
+
+def clip(text: str, limit: int) -> str:
+    """Shorten ``text`` to at most ``limit`` characters, keeping head and tail."""
+    if len(text) <= limit:
+        return text
+    if limit < 8:
+        return text[:limit]
+    keep = limit - 5
+    head = keep - keep // 3
+    return f"{text[:head]} ... {text[len(text) - (keep - head) :]}"
+
+
+class AgentBackendError(Exception):
+    """Root of every error agent_backend raises."""
+
+    message: str
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.message, dict(self.__dict__)))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ModelFacingError(AgentBackendError):
+    """Something the model did wrong; its text goes back to the model."""
+
+    def to_model_message(self, limit: int = MODEL_MESSAGE_LIMIT) -> str:
+        return clip(self.message, limit)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArgumentIssue:
+    """One problem with one argument.
+
+    ``pointer`` is a JSON pointer into the arguments ("" is the whole object),
+    ``expected`` what the schema wants, ``got`` a short rendering of the value.
+    """
+
+    pointer: str
+    message: str
+    expected: str = ""
+    got: str = ""
+
+    def render(self, limit: int = 300) -> str:
+        where = self.pointer or "(arguments)"
+        return clip(f"{where}: {self.message}", limit)
+
+
+class ToolArgumentError(ModelFacingError):
+    """The arguments of a tool call could not be parsed or do not validate."""
+
+    tool: str | None
+    issues: tuple[ArgumentIssue, ...]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        issues: Sequence[ArgumentIssue] = (),
+        tool: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.issues = tuple(issues)
+        self.tool = tool
+
+    def to_model_message(self, limit: int = MODEL_MESSAGE_LIMIT) -> str:
+        head = (
+            f"Invalid arguments for tool '{self.tool}': {self.message}"
+            if self.tool
+            else f"Invalid arguments: {self.message}"
+        )
+        lines = [head]
+        used = len(head)
+        footer = "Fix these and call the tool again."
+        budget = limit - len(footer) - 40
+        shown = 0
+        for issue in self.issues:
+            if not issue.pointer and issue.message == self.message:
+                shown += 1  # already the headline
+                continue
+            line = "- " + issue.render()
+            if used + len(line) + 1 > budget:
+                break
+            lines.append(line)
+            used += len(line) + 1
+            shown += 1
+        if shown < len(self.issues):
+            lines.append(f"- ... and {len(self.issues) - shown} more")
+        lines.append(footer)
+        return clip("\n".join(lines), limit)
+
+
+class UnknownToolError(ModelFacingError):
+    """The model named a tool that does not exist."""
+
+    name: str
+    available: tuple[str, ...]
+
+    def __init__(self, name: str, *, available: Sequence[str] = ()) -> None:
+        self.name = name
+        self.available = tuple(available)
+        super().__init__(self._render(MODEL_MESSAGE_LIMIT))
+
+    def _render(self, limit: int) -> str:
+        head = f"Unknown tool '{clip(self.name, 80)}'. Available tools: "
+        names: list[str] = []
+        used = len(head)
+        for n in self.available:
+            if used + len(n) + 2 > limit - 40:
+                break
+            names.append(n)
+            used += len(n) + 2
+        rest = len(self.available) - len(names)
+        tail = f" (and {rest} more)" if rest else ""
+        return head + (", ".join(names) if names else "none") + tail + "."
+
+    def to_model_message(self, limit: int = MODEL_MESSAGE_LIMIT) -> str:
+        return self._render(limit)
+
+
+class SchemaError(AgentBackendError):
+    """A tool schema is malformed. ``source`` names the file (or tool), ``pointer`` the place."""
+
+    source: str | None
+    pointer: str
+
+    def __init__(self, message: str, *, source: str | None = None, pointer: str = "") -> None:
+        where = f"{source or '<schema>'}{'#' + pointer if pointer else ''}"
+        super().__init__(f"{where}: {message}")
+        self.source = source
+        self.pointer = pointer
+
+
+class SchemaRefError(SchemaError):
+    """A ``$ref`` cannot be resolved locally, or ``$ref``s form a cycle with no instance step."""
+
+    ref: str
+    cycle: tuple[str, ...]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        ref: str,
+        cycle: Sequence[str] = (),
+        source: str | None = None,
+        pointer: str = "",
+    ) -> None:
+        super().__init__(message, source=source, pointer=pointer)
+        self.ref = ref
+        self.cycle = tuple(cycle)
+
+
+class ConfigError(AgentBackendError):
+    """A configuration file is wrong: which file, which key, what was expected."""
+
+    file: str | None
+    key: str
+    expected: str
+
+    def __init__(
+        self, message: str, *, file: str | None = None, key: str = "", expected: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.file = file
+        self.key = key
+        self.expected = expected
+
+
+class BackendError(AgentBackendError):
+    """The place a tool runs failed (infrastructure, not the model's fault)."""
+
+    backend: str | None
+    host: str | None
+
+    def __init__(
+        self, message: str, *, backend: str | None = None, host: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.host = host
+
+
+class BackendUnavailable(BackendError):
+    """The backend cannot be reached or started."""
+
+
+class WorkerLost(BackendError):
+    """The worker (process, connection, actor) running a call died mid-call."""
+
+    worker: str | None
+    cause: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker: str | None = None,
+        cause: str | None = None,
+        backend: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, host=host)
+        self.worker = worker
+        self.cause = cause
+
+
+class ToolTimeout(BackendError, TimeoutError):
+    """A call did not finish within its timeout (its process was killed)."""
+
+    timeout: float | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        timeout: float | None = None,
+        backend: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, host=host)
+        self.timeout = timeout

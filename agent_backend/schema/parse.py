@@ -1,0 +1,309 @@
+"""Turn model-produced tool arguments into a bounded JSON object, or fail closed.
+
+Pure: no I/O. Everything that is not exactly one JSON object within the
+limits raises :class:`~agent_backend.errors.ToolArgumentError`: unparseable
+text, a non-object top level, trailing garbage or concatenated values
+(``{"a":1}{"a":1}``), NaN/Infinity, non-JSON Python values, and arguments
+over the size or depth bound. It must never substitute ``{}`` for bad input
+(PITFALLS 5, 6) and never recurse on attacker-controlled depth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from agent_backend.errors import ArgumentIssue, ToolArgumentError
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "Limits",
+    "check_depth",
+    "fast_parse",
+    "json_type_name",
+    "load_json_value",
+    "parse_arguments",
+]
+
+_SCALARS = (str, int, float, bool, type(None))
+# Dataclasses and datetimes are not JSON values: let them fall to the checked copy, which refuses them.
+_PLAIN_ONLY = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Limits:
+    """Bounds on arguments; anything beyond them is refused, never truncated."""
+
+    max_bytes: int = 1_000_000
+    """Largest argument text accepted (for a mapping: an estimate of its JSON size)."""
+    max_depth: int = 64
+    """Deepest nesting of objects/arrays accepted (the top-level object is depth 1)."""
+    max_issues: int = 20
+    """Most validation problems collected into one error."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _fail(
+    message: str, *, tool: str | None, pointer: str = "", expected: str = "", got: str = ""
+) -> ToolArgumentError:
+    return ToolArgumentError(
+        message,
+        issues=[ArgumentIssue(pointer, message, expected=expected, got=got)],
+        tool=tool,
+    )
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def load_json_value(text: str | bytes) -> Any:
+    """Parse exactly one JSON value; raise ``ValueError`` with a precise reason otherwise.
+
+    orjson is the fast path; when it refuses, the standard library re-parses to
+    tell exactly where and why, and to accept what orjson alone rejects
+    (integers beyond 64 bits). NaN and Infinity literals are refused by both.
+    """
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as fast_error:
+        fast_reason = str(fast_error)
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data":
+            raise ValueError(
+                f"more than one JSON value (extra data at line {exc.lineno} column {exc.colno});"
+                " send exactly one JSON object"
+            ) from None
+        raise ValueError(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(str(exc) if not isinstance(exc, RecursionError) else fast_reason) from None
+
+
+def check_depth(value: Any, max_depth: int, start: int = 1) -> int:
+    """Return the nesting depth of ``value`` (containers only); raise ``ValueError`` past ``max_depth``.
+
+    Walks level by level without recursion, so hostile depth cannot exhaust the stack.
+    """
+    if type(value) is not dict and type(value) is not list:
+        return 0
+    level: list[Any] = [value]
+    depth = start
+    while True:
+        if depth > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        below: list[Any] = []
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                if type(child) is dict or type(child) is list:
+                    below.append(child)
+        if not below:
+            return depth
+        level = below
+        depth += 1
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, path: tuple[Any, ...], got: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.path = path
+        self.got = got
+
+
+def _plain(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
+    """A scalar as a plain JSON value and its estimated encoded size; containers are handled by the caller."""
+    kind = type(value)
+    if kind is str:
+        return value, len(value) + 2
+    if kind is int or kind is bool or value is None:
+        return value, 8
+    if kind is float or isinstance(value, (int, float, str)):
+        plain = _plain_scalar(value)
+        if type(plain) is float and not math.isfinite(plain):
+            raise _Refused("NaN and Infinity are not JSON numbers", path, repr(value))
+        return plain, (len(plain) + 2 if type(plain) is str else 8)
+    raise _Refused(f"{kind.__name__} is not a JSON value", path, repr(value)[:60])
+
+
+def _copy_mapping(arguments: Mapping[str, Any], limits: Limits, tool: str | None) -> dict[str, Any]:
+    """Deep-copy caller-supplied arguments into plain JSON values, checking every bound."""
+    try:
+        return _copy_tree(arguments, limits)
+    except _Refused as exc:
+        pointer = "".join("/" + _escape(str(part)) for part in exc.path)
+        raise _fail(exc.message, tool=tool, pointer=pointer, got=exc.got) from None
+
+
+def _copy_tree(arguments: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
+    budget = limits.max_bytes
+    root: dict[str, Any] = {}
+    # (source container, target container, depth, path of the container)
+    stack: list[tuple[Any, Any, int, tuple[Any, ...]]] = [(arguments, root, 1, ())]
+    while stack:
+        source, target, depth, path = stack.pop()
+        if depth > limits.max_depth:
+            raise _Refused(f"arguments are nested deeper than {limits.max_depth} levels", path)
+        is_object = type(target) is dict
+        for key, value in source.items() if is_object else enumerate(source):
+            if is_object:
+                if type(key) is not str:
+                    raise _Refused("object keys must be strings", path, repr(key)[:60])
+                budget -= len(key) + 4
+            kind = type(value)
+            if kind is str:
+                copy: Any = value
+                budget -= len(value) + 2
+            elif kind is int or kind is bool or value is None:
+                copy = value
+                budget -= 8
+            elif kind is dict or (kind is not list and isinstance(value, Mapping)):
+                copy = {}
+                stack.append((value, copy, depth + 1, (*path, key)))
+            elif kind is list or kind is tuple:
+                copy = [None] * len(value)
+                stack.append((value, copy, depth + 1, (*path, key)))
+            else:
+                copy, size = _plain(value, (*path, key))
+                budget -= size
+            if budget < 0:
+                raise _Refused(f"arguments are larger than {limits.max_bytes} bytes", ())
+            target[key] = copy
+    return root
+
+
+def _plain_scalar(value: str | int | float) -> str | int | float:
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value)
+    return str(value)
+
+
+def _escape(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+_CONTAINERS = frozenset((dict, list))
+
+
+def fast_parse(arguments: object, max_bytes: int, max_depth: int) -> dict[str, Any] | None:
+    """The common case at C speed: a plain JSON object within bounds, or ``None``.
+
+    ``None`` means "not sure": the caller then runs :func:`parse_arguments`,
+    which either accepts the input or explains exactly why not. This function
+    never accepts anything :func:`parse_arguments` would refuse.
+    """
+    kind = type(arguments)
+    try:
+        if kind is str or kind is bytes:
+            if len(arguments) > max_bytes:  # type: ignore[arg-type]
+                return None
+            value = orjson.loads(arguments)  # type: ignore[arg-type]
+        elif kind is dict:
+            encoded = orjson.dumps(arguments, option=_PLAIN_ONLY)
+            # orjson writes NaN/Infinity as null: anything with a null takes the checked path.
+            if b"null" in encoded or len(encoded) > max_bytes:
+                return None
+            value = orjson.loads(encoded)
+        else:
+            return None
+    except (TypeError, ValueError):
+        return None
+    if type(value) is not dict:
+        return None
+    if not _CONTAINERS.isdisjoint(map(type, value.values())):
+        try:
+            check_depth(value, max_depth)
+        except ValueError:
+            return None
+    return value
+
+
+def parse_arguments(
+    arguments: str | bytes | bytearray | Mapping[str, Any],
+    *,
+    limits: Limits = DEFAULT_LIMITS,
+    tool: str | None = None,
+) -> dict[str, Any]:
+    """Exactly one JSON object within ``limits``, as a new ``dict`` the caller does not share."""
+    kind = type(arguments)
+    if kind is dict or (kind is not str and kind is not bytes and isinstance(arguments, Mapping)):
+        # Fast path: orjson copies plain JSON values in C. Whatever it refuses
+        # (64-bit overflow, odd types) and anything that may hold NaN/Infinity
+        # (which orjson would quietly write as null) takes the checked copy.
+        try:
+            encoded = orjson.dumps(arguments, option=_PLAIN_ONLY)
+        except (TypeError, orjson.JSONEncodeError):
+            return _copy_mapping(arguments, limits, tool)  # type: ignore[arg-type]
+        if b"null" in encoded:
+            return _copy_mapping(arguments, limits, tool)  # type: ignore[arg-type]
+        text: str | bytes = encoded
+    elif kind is bytearray:
+        text = bytes(arguments)  # type: ignore[arg-type]
+    elif kind is not str and kind is not bytes:
+        raise _fail(
+            f"arguments must be a JSON object or its text, not {kind.__name__}",
+            tool=tool,
+            expected="object",
+        )
+    else:
+        text = arguments  # type: ignore[assignment]
+    if len(text) > limits.max_bytes:
+        raise _fail(f"arguments are larger than {limits.max_bytes} bytes", tool=tool)
+    try:
+        value = load_json_value(text)
+    except ValueError as exc:
+        if not text.strip():
+            raise _fail(
+                "arguments are empty; send a JSON object ({} when the tool takes no arguments)",
+                tool=tool,
+                expected="object",
+            ) from None
+        raise _fail(f"arguments are not valid JSON: {exc}", tool=tool, expected="object") from None
+    if type(value) is not dict:
+        raise _fail(
+            f"arguments must be a JSON object, not {json_type_name(value)}",
+            tool=tool,
+            expected="object",
+            got=json_type_name(value),
+        )
+    try:
+        check_depth(value, limits.max_depth)
+    except ValueError as exc:
+        raise _fail(f"arguments are {exc}", tool=tool) from None
+    return value
+
+
+def json_type_name(value: Any) -> str:
+    """The JSON Schema type name of a Python JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__

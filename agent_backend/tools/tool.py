@@ -1,0 +1,156 @@
+"""The one description of a tool every other layer uses: :class:`Tool`.
+
+A tool is a name, a description, the JSON Schema of its arguments object,
+that schema compiled once, and optionally a Python function that runs it
+in-process. Backends read ``meta`` for how to run a tool elsewhere.
+
+A :class:`Tool` is immutable and compiles its schema exactly once, at
+construction (PITFALLS 8); it must never compile per call, never run a
+function with arguments that have not passed :meth:`Tool.prepare`, and never
+block the event loop with a synchronous function.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import re
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio.to_thread
+
+from agent_backend.errors import SchemaError
+from agent_backend.schema import CompiledSchema, compile_schema
+
+__all__ = ["TOOL_NAME_PATTERN", "Tool", "check_tool_name"]
+
+#: Names a tool may have: OpenAI's alphabet plus ``.`` (BFCL names such as
+#: ``math.factorial``). Exports that forbid ``.`` map it to ``_``.
+TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+Arguments = str | bytes | Mapping[str, Any]
+#: Turns prepared arguments into the keyword arguments of ``Tool.function``.
+ArgumentBinder = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def check_tool_name(name: object, *, source: str | None = None, pointer: str = "/name") -> str:
+    """``name`` if it is a valid tool name, else :class:`SchemaError`."""
+    if not isinstance(name, str):
+        raise SchemaError(
+            f"a tool name must be a string, not {type(name).__name__}",
+            source=source,
+            pointer=pointer,
+        )
+    if TOOL_NAME_PATTERN.fullmatch(name) is None:
+        raise SchemaError(
+            f"invalid tool name {name[:80]!r}: use 1-64 characters from A-Z a-z 0-9 _ . -",
+            source=source,
+            pointer=pointer,
+        )
+    return name
+
+
+def _check_parameters(parameters: object, source: str | None) -> dict[str, Any]:
+    if not isinstance(parameters, Mapping):
+        raise SchemaError(
+            f"the parameters schema must be an object, not {type(parameters).__name__}",
+            source=source,
+        )
+    declared = parameters.get("type", "object")
+    if declared != "object" and not (isinstance(declared, list) and "object" in declared):
+        # Every call format sends arguments as one JSON object.
+        raise SchemaError(
+            f"the parameters schema must describe an object, not type {declared!r}",
+            source=source,
+            pointer="/type",
+        )
+    return copy.deepcopy(dict(parameters))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tool:
+    """A callable tool: what the model sees, and how its arguments are checked.
+
+    ``parameters`` is the JSON Schema of the arguments object as exported
+    (after any legacy normalization, which ``normalizations`` lists by JSON
+    pointer). ``compiled`` is built from it once, here. Schema errors raised
+    at construction carry pointers relative to ``parameters``.
+    """
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: {"type": "object", "properties": {}}
+    )
+    function: Callable[..., Any] | None = dataclasses.field(default=None, repr=False)
+    """In-process implementation, sync or async; called with keyword arguments."""
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+    """Extra keys of the definition (``x-agent-backend``, MCP ``annotations``...), verbatim."""
+    source: str | None = None
+    """Where the tool came from: a file path, or ``python:module.qualname``."""
+    normalizations: tuple[str, ...] = ()
+    """JSON pointers into ``parameters`` rewritten by legacy type normalization."""
+    bind_arguments: ArgumentBinder | None = dataclasses.field(default=None, repr=False)
+    """Turns prepared arguments into ``function``'s keyword arguments (default: as they are)."""
+    compiled: CompiledSchema = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        check_tool_name(self.name, source=self.source)
+        if not isinstance(self.description, str):
+            raise SchemaError("a tool description must be a string", source=self.source)
+        if self.function is not None and not callable(self.function):
+            raise TypeError(f"tool {self.name!r}: function must be callable")
+        parameters = _check_parameters(self.parameters, self.source)
+        set_field = functools.partial(object.__setattr__, self)
+        set_field("parameters", parameters)
+        set_field("meta", types.MappingProxyType(copy.deepcopy(dict(self.meta))))
+        set_field("normalizations", tuple(self.normalizations))
+        set_field("compiled", compile_schema(parameters, source=self.source))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The compiled validator cannot cross a process boundary; the
+        # definition can, and is compiled once again on arrival.
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        fields["meta"] = dict(self.meta)
+        return (_rebuild, (fields,))
+
+    def prepare(self, arguments: Arguments) -> dict[str, Any]:
+        """Arguments this tool may run with; raises :class:`~agent_backend.errors.ToolArgumentError`."""
+        return self.compiled.prepare(arguments, tool=self.name)
+
+    async def invoke(self, arguments: Arguments) -> Any:
+        """Prepare ``arguments`` and run :attr:`function` with them.
+
+        Coroutine functions are awaited; synchronous ones run in a worker
+        thread so they cannot block the event loop.
+        """
+        function = self.function
+        if function is None:
+            raise TypeError(f"tool {self.name!r} has no Python function; run it through a backend")
+        prepared = self.prepare(arguments)
+        kwargs = self.bind_arguments(prepared) if self.bind_arguments else prepared
+        if _is_async_callable(function):
+            return await function(**kwargs)
+        result = await anyio.to_thread.run_sync(functools.partial(function, **kwargs))
+        if inspect.isawaitable(result):
+            # A sync wrapper that hands back an awaitable (a partial of an
+            # async function, a decorator that lost the marker).
+            return await result
+        return result
+
+
+def _rebuild(fields: dict[str, Any]) -> Tool:
+    return Tool(**fields)
+
+
+def _is_async_callable(function: Callable[..., Any]) -> bool:
+    while isinstance(function, functools.partial):
+        function = function.func
+    if inspect.iscoroutinefunction(function):
+        return True
+    call = getattr(type(function), "__call__", None)  # noqa: B004 - callable instances
+    return call is not None and inspect.iscoroutinefunction(call)

@@ -378,9 +378,9 @@ def test_compiled_once_and_reused() -> None:
     from agent_backend.schema import prepare as prepare_module
 
     prepare_arguments(schema, {"n": 1})
-    entry = prepare_module._cache[id(schema)]
+    entry = prepare_module._cache[id(schema)][1]
     prepare_arguments(schema, {"n": "2"})
-    assert prepare_module._cache[id(schema)] is entry
+    assert prepare_module._cache[id(schema)][1] is entry
 
 
 def test_malformed_schema_fails_with_pointer() -> None:

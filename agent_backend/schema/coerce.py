@@ -22,6 +22,7 @@ does that against the original schema.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import decimal
 import math
 import re
@@ -41,8 +42,26 @@ _CONVERSION_ORDER = ("integer", "number", "boolean", "null", "object", "array")
 IsValid = Callable[[Any, Any], bool]
 
 
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    """What repair needs from one schema node, read once per node instead of on every visit."""
+
+    ref: Any
+    members: list[Any] | None
+    member_kinds: tuple[str, ...]
+    types: list[Any] | None
+    unions: tuple[list[Any], ...]
+    all_of: list[Any]
+    properties: dict[str, Any]
+    patterns: tuple[tuple[re.Pattern[str], Any], ...]
+    additional: dict[str, Any] | None
+    prefix: list[Any]
+    rest: Any
+    defaults: tuple[tuple[str, Any], ...]
+
+
 class Coercer:
-    """One coercion pass over one value; cheap to create, holds no per-call caches of its own."""
+    """Repair for one resolved schema; built once and reused (it keeps only per-node plans)."""
 
     def __init__(
         self,
@@ -51,48 +70,42 @@ class Coercer:
         is_valid: IsValid,
         max_depth: int,
         inject_defaults: bool = False,
-        ref_cache: dict[str, Any] | None = None,
-        pattern_cache: dict[str, re.Pattern[str] | None] | None = None,
     ) -> None:
         self._root = root
         self._is_valid = is_valid
         self._max_depth = max_depth
         self._inject_defaults = inject_defaults
-        self._refs = ref_cache if ref_cache is not None else {}
-        self._patterns = pattern_cache if pattern_cache is not None else {}
+        self._plans: dict[int, tuple[Any, _Plan]] = {}
 
-    def coerce(self, value: Any) -> Any:
-        return self._coerce(value, self._root, 1)
+    def coerce(self, value: Any, *, known_invalid: bool = False) -> Any:
+        """``value`` with what fails repaired; ``known_invalid`` skips re-checking the whole value."""
+        return self._coerce(value, self._root, 1, known_invalid)
 
     # -- one schema node ---------------------------------------------------------------
 
-    def _coerce(self, value: Any, node: Any, depth: int) -> Any:
+    def _coerce(self, value: Any, node: Any, depth: int, known_invalid: bool = False) -> Any:
         if not isinstance(node, dict):
             return value
         if (
-            isinstance(value, (dict, list))
+            not known_invalid
             and not self._inject_defaults
+            and isinstance(value, (dict, list))
             and self._is_valid(node, value)
         ):
             return value
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            target = self._lookup(ref)
-            if target is not None:
-                value = self._coerce(value, target, depth)
-        value = self._convert_here(value, node, depth)
-        for keyword in ("anyOf", "oneOf"):
-            branches = node.get(keyword)
-            if isinstance(branches, list) and branches:
-                value = self._choose_branch(value, branches, depth)
-        all_of = node.get("allOf")
-        if isinstance(all_of, list):
-            for branch in all_of:
-                value = self._coerce(value, branch, depth)
+        entry = self._plans.get(id(node))
+        plan = entry[1] if entry is not None else self._plan(node)
+        if plan.ref is not None:
+            value = self._coerce(value, plan.ref, depth)
+        value = self._convert_here(value, plan, depth)
+        for branches in plan.unions:
+            value = self._choose_branch(value, branches, depth)
+        for branch in plan.all_of:
+            value = self._coerce(value, branch, depth)
         if isinstance(value, dict):
-            return self._descend_object(value, node, depth)
+            return self._descend_object(value, plan, depth)
         if isinstance(value, list):
-            return self._descend_array(value, node, depth)
+            return self._descend_array(value, plan, depth)
         return value
 
     def _choose_branch(self, value: Any, branches: list[Any], depth: int) -> Any:
@@ -104,26 +117,19 @@ class Coercer:
                 return candidate
         return value
 
-    def _convert_here(self, value: Any, node: dict[str, Any], depth: int) -> Any:
+    def _convert_here(self, value: Any, plan: _Plan, depth: int) -> Any:
         """Apply this node's own ``type``/``enum``/``const`` to a value of the wrong kind."""
-        members: list[Any] | None = None
-        if "const" in node:
-            members = [node["const"]]
-        elif isinstance(node.get("enum"), list):
-            members = node["enum"]
+        members = plan.members
         if members is not None:
             if any(_json_equal(value, m) for m in members):
                 return value
-            for kind in dict.fromkeys(json_type_name(m) for m in members):
+            for kind in plan.member_kinds:
                 candidate = self._convert(value, kind, depth)
                 if candidate is not _FAIL and any(_json_equal(candidate, m) for m in members):
                     return candidate
             return value
-        declared = node.get("type")
-        if declared is None:
-            return value
-        types = [declared] if isinstance(declared, str) else declared
-        if not isinstance(types, list) or _type_allowed(value, types):
+        types = plan.types
+        if types is None or _type_allowed(value, types):
             return value
         for kind in _CONVERSION_ORDER:
             if kind in types:
@@ -162,46 +168,35 @@ class Coercer:
 
     # -- children ----------------------------------------------------------------------
 
-    def _descend_object(self, value: dict[str, Any], node: dict[str, Any], depth: int) -> Any:
-        properties = node.get("properties")
-        properties = properties if isinstance(properties, dict) else {}
-        patterns = node.get("patternProperties")
-        patterns = patterns if isinstance(patterns, dict) else {}
-        additional = node.get("additionalProperties")
+    def _descend_object(self, value: dict[str, Any], plan: _Plan, depth: int) -> Any:
+        properties = plan.properties
         result = value
         for key, child in value.items():
-            schemas: list[Any] = []
-            if key in properties:
-                schemas.append(properties[key])
-            for pattern, schema in patterns.items():
-                compiled = self._pattern(pattern)
-                if compiled is not None and compiled.search(key):
-                    schemas.append(schema)
-            if not schemas and isinstance(additional, dict):
-                schemas.append(additional)
-            new = child
-            for schema in schemas:
-                new = self._coerce(new, schema, depth + 1)
+            schema = properties.get(key)
+            new = child if schema is None else self._coerce(child, schema, depth + 1)
+            matched = schema is not None
+            for pattern, pattern_schema in plan.patterns:
+                if pattern.search(key):
+                    new = self._coerce(new, pattern_schema, depth + 1)
+                    matched = True
+            if not matched and plan.additional is not None:
+                new = self._coerce(new, plan.additional, depth + 1)
             if new is not child:
                 if result is value:
                     result = dict(value)
                 result[key] = new
         if self._inject_defaults:
-            for key, schema in properties.items():
-                if key not in result and isinstance(schema, dict) and "default" in schema:
+            for key, default in plan.defaults:
+                if key not in result:
                     if result is value:
                         result = dict(value)
-                    result[key] = copy.deepcopy(schema["default"])
+                    result[key] = copy.deepcopy(default)
         return result
 
-    def _descend_array(self, value: list[Any], node: dict[str, Any], depth: int) -> Any:
-        items = node.get("items")
-        prefix = node.get("prefixItems")
-        if isinstance(items, list):  # draft 7 and earlier: positional items
-            prefix, rest = items, node.get("additionalItems")
-        else:
-            rest = items
-        prefix = prefix if isinstance(prefix, list) else []
+    def _descend_array(self, value: list[Any], plan: _Plan, depth: int) -> Any:
+        prefix, rest = plan.prefix, plan.rest
+        if not prefix and not isinstance(rest, dict):
+            return value
         result = value
         for index, child in enumerate(value):
             schema = prefix[index] if index < len(prefix) else rest
@@ -214,34 +209,76 @@ class Coercer:
                 result[index] = new
         return result
 
-    # -- lookups -----------------------------------------------------------------------
+    # -- plans -------------------------------------------------------------------------
+
+    def _plan(self, node: dict[str, Any]) -> _Plan:
+        members: list[Any] | None = None
+        if "const" in node:
+            members = [node["const"]]
+        elif isinstance(node.get("enum"), list):
+            members = node["enum"]
+        declared = node.get("type")
+        types = [declared] if isinstance(declared, str) else declared
+        items = node.get("items")
+        prefix = node.get("prefixItems")
+        if isinstance(items, list):  # draft 7 and earlier: positional items
+            prefix, rest = items, node.get("additionalItems")
+        else:
+            rest = items
+        properties = node.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        patterns = node.get("patternProperties")
+        additional = node.get("additionalProperties")
+        ref = node.get("$ref")
+        plan = _Plan(
+            ref=self._lookup(ref) if isinstance(ref, str) else None,
+            members=members,
+            member_kinds=tuple(dict.fromkeys(json_type_name(m) for m in members or ())),
+            types=types if isinstance(types, list) else None,
+            unions=tuple(
+                branches
+                for branches in (node.get("anyOf"), node.get("oneOf"))
+                if isinstance(branches, list) and branches
+            ),
+            all_of=node["allOf"] if isinstance(node.get("allOf"), list) else [],
+            properties=properties,
+            patterns=_compile_patterns(patterns) if isinstance(patterns, dict) else (),
+            additional=additional if isinstance(additional, dict) else None,
+            prefix=prefix if isinstance(prefix, list) else [],
+            rest=rest,
+            defaults=tuple(
+                (key, schema["default"])
+                for key, schema in properties.items()
+                if isinstance(schema, dict) and "default" in schema
+            ),
+        )
+        self._plans[id(node)] = (node, plan)  # holding node keeps its id from being reused
+        return plan
 
     def _lookup(self, ref: str) -> Any:
         """A ``#/...`` pointer into the resolved root (retained recursive defs); else ``None``."""
-        if ref in self._refs:
-            return self._refs[ref]
-        target: Any = None
-        if ref.startswith("#/") or ref == "#":
-            target = self._root
-            for token in ref[2:].split("/") if ref != "#" else []:
-                token = token.replace("~1", "/").replace("~0", "~")
-                if isinstance(target, dict) and token in target:
-                    target = target[token]
-                elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
-                    target = target[int(token)]
-                else:
-                    target = None
-                    break
-        self._refs[ref] = target
+        if not (ref.startswith("#/") or ref == "#"):
+            return None
+        target: Any = self._root
+        for token in ref[2:].split("/") if ref != "#" else []:
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and token in target:
+                target = target[token]
+            elif isinstance(target, list) and token.isdigit() and int(token) < len(target):
+                target = target[int(token)]
+            else:
+                return None
         return target
 
-    def _pattern(self, pattern: str) -> re.Pattern[str] | None:
-        if pattern not in self._patterns:
-            try:
-                self._patterns[pattern] = re.compile(pattern)
-            except re.error:
-                self._patterns[pattern] = None
-        return self._patterns[pattern]
+
+def _compile_patterns(patterns: dict[str, Any]) -> tuple[tuple[re.Pattern[str], Any], ...]:
+    compiled = []
+    for pattern, schema in patterns.items():
+        try:
+            compiled.append((re.compile(pattern), schema))
+        except re.error:  # an ECMA-only construct: repair skips it, validation still applies it
+            continue
+    return tuple(compiled)
 
 
 def _type_allowed(value: Any, types: list[Any]) -> bool:

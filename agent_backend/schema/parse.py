@@ -22,9 +22,11 @@ from agent_backend.errors import ArgumentIssue, ToolArgumentError
 
 __all__ = [
     "DEFAULT_LIMITS",
+    "PLAIN_ONLY",
     "Limits",
     "check_depth",
-    "fast_parse",
+    "has_big_float",
+    "has_non_finite",
     "json_type_name",
     "load_json_value",
     "parse_arguments",
@@ -32,7 +34,7 @@ __all__ = [
 
 _SCALARS = (str, int, float, bool, type(None))
 # Dataclasses and datetimes are not JSON values: let them fall to the checked copy, which refuses them.
-_PLAIN_ONLY = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+PLAIN_ONLY = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,13 +70,19 @@ def load_json_value(text: str | bytes) -> Any:
     """Parse exactly one JSON value; raise ``ValueError`` with a precise reason otherwise.
 
     orjson is the fast path; when it refuses, the standard library re-parses to
-    tell exactly where and why, and to accept what orjson alone rejects
-    (integers beyond 64 bits). NaN and Infinity literals are refused by both.
+    tell exactly where and why. orjson reads an integer beyond 64 bits as a
+    float, silently losing digits: when a float that large comes back, the
+    standard library re-reads the text exactly. NaN and Infinity literals are
+    refused by both.
     """
     try:
-        return orjson.loads(text)
+        value = orjson.loads(text)
     except orjson.JSONDecodeError as fast_error:
         fast_reason = str(fast_error)
+    else:
+        if not has_big_float(value):
+            return value
+        fast_reason = ""  # orjson read an integer beyond 64 bits as a float: re-read exactly
     if isinstance(text, bytes):
         try:
             text = text.decode("utf-8")
@@ -114,6 +122,46 @@ def check_depth(value: Any, max_depth: int, start: int = 1) -> int:
             return depth
         level = below
         depth += 1
+
+
+#: Floats at least this large may be integers orjson could not hold exactly.
+BIG_FLOAT = float(2**63)
+
+
+def has_big_float(value: Any) -> bool:
+    """Whether a parsed JSON value holds a float of magnitude >= 2**63 anywhere (iterative)."""
+    if type(value) is float:
+        return abs(value) >= BIG_FLOAT
+    if type(value) is not dict and type(value) is not list:
+        return False
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        for child in node.values() if type(node) is dict else node:
+            kind = type(child)
+            if kind is float:
+                if abs(child) >= BIG_FLOAT:
+                    return True
+            elif kind is dict or kind is list:
+                stack.append(child)
+    return False
+
+
+def has_non_finite(value: Any) -> bool:
+    """Whether a JSON-like Python value holds a NaN or an infinity anywhere (iterative)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        for child in node.values() if isinstance(node, Mapping) else node:
+            kind = type(child)
+            if kind is float:
+                if child != child or child in (math.inf, -math.inf):
+                    return True
+            elif kind is dict or kind is list or kind is tuple or isinstance(child, Mapping):
+                stack.append(child)
+            elif isinstance(child, float) and not math.isfinite(child):
+                return True
+    return False
 
 
 class _Refused(Exception):
@@ -199,42 +247,6 @@ def _escape(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
-_CONTAINERS = frozenset((dict, list))
-
-
-def fast_parse(arguments: object, max_bytes: int, max_depth: int) -> dict[str, Any] | None:
-    """The common case at C speed: a plain JSON object within bounds, or ``None``.
-
-    ``None`` means "not sure": the caller then runs :func:`parse_arguments`,
-    which either accepts the input or explains exactly why not. This function
-    never accepts anything :func:`parse_arguments` would refuse.
-    """
-    kind = type(arguments)
-    try:
-        if kind is str or kind is bytes:
-            if len(arguments) > max_bytes:  # type: ignore[arg-type]
-                return None
-            value = orjson.loads(arguments)  # type: ignore[arg-type]
-        elif kind is dict:
-            encoded = orjson.dumps(arguments, option=_PLAIN_ONLY)
-            # orjson writes NaN/Infinity as null: anything with a null takes the checked path.
-            if b"null" in encoded or len(encoded) > max_bytes:
-                return None
-            value = orjson.loads(encoded)
-        else:
-            return None
-    except (TypeError, ValueError):
-        return None
-    if type(value) is not dict:
-        return None
-    if not _CONTAINERS.isdisjoint(map(type, value.values())):
-        try:
-            check_depth(value, max_depth)
-        except ValueError:
-            return None
-    return value
-
-
 def parse_arguments(
     arguments: str | bytes | bytearray | Mapping[str, Any],
     *,
@@ -245,13 +257,13 @@ def parse_arguments(
     kind = type(arguments)
     if kind is dict or (kind is not str and kind is not bytes and isinstance(arguments, Mapping)):
         # Fast path: orjson copies plain JSON values in C. Whatever it refuses
-        # (64-bit overflow, odd types) and anything that may hold NaN/Infinity
+        # (64-bit overflow, odd types) and anything holding NaN/Infinity
         # (which orjson would quietly write as null) takes the checked copy.
         try:
-            encoded = orjson.dumps(arguments, option=_PLAIN_ONLY)
+            encoded = orjson.dumps(arguments, option=PLAIN_ONLY)
         except (TypeError, orjson.JSONEncodeError):
             return _copy_mapping(arguments, limits, tool)  # type: ignore[arg-type]
-        if b"null" in encoded:
+        if encoded.find(b"null") >= 0 and has_non_finite(arguments):
             return _copy_mapping(arguments, limits, tool)  # type: ignore[arg-type]
         text: str | bytes = encoded
     elif kind is bytearray:

@@ -17,18 +17,25 @@ subschema that repair consults is compiled on first use and kept.
 from __future__ import annotations
 
 import copy
-import re
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import jsonschema
 import jsonschema.exceptions
+import orjson
 
 from agent_backend.errors import SchemaError, SchemaRefError, ToolArgumentError
 from agent_backend.schema.coerce import Coercer
 from agent_backend.schema.dialect import Dialect
-from agent_backend.schema.parse import DEFAULT_LIMITS, Limits, fast_parse, parse_arguments
+from agent_backend.schema.keywords import map_schema
+from agent_backend.schema.parse import (
+    DEFAULT_LIMITS,
+    PLAIN_ONLY,
+    Limits,
+    has_non_finite,
+    parse_arguments,
+)
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -45,13 +52,14 @@ class CompiledSchema:
     """
 
     __slots__ = (
-        "_coercion_refs",
-        "_patterns",
+        "_coercers",
+        "_is_valid",
         "_sub_validators",
         "_validator",
         "defs",
         "dialect",
         "limits",
+        "prepare",
         "resolved",
         "schema",
         "source",
@@ -94,9 +102,33 @@ class CompiledSchema:
             if isinstance(kept, dict):
                 self.defs = kept
         self._validator: Validator = compile_validator(original, source=source)
+        self._is_valid = self._validator.is_valid
+        fast_validator = (
+            compile_validator(_guard_integers(original), source=source)
+            if isinstance(original, dict)
+            else self._validator
+        )
+        self.prepare: PrepareFn = _fast_path(
+            self._prepare,
+            fast_validator.is_valid,
+            max_bytes=limits.max_bytes,
+            max_depth=limits.max_depth,
+        )
+        """Arguments the tool may run with, or :class:`ToolArgumentError`; never mutates ``arguments``.
+
+        ``prepare(arguments, *, tool=None, inject_defaults=False)``: a closure
+        built once per schema (the hot path), falling back to the full pipeline.
+        """
         self._sub_validators: dict[int, tuple[Any, Validator]] = {}
-        self._coercion_refs: dict[str, Any] = {}
-        self._patterns: dict[str, re.Pattern[str] | None] = {}
+        self._coercers = tuple(
+            Coercer(
+                self.resolved,
+                is_valid=self._subschema_accepts,
+                max_depth=limits.max_depth,
+                inject_defaults=inject,
+            )
+            for inject in (False, True)
+        )
 
     def __repr__(self) -> str:
         return f"<CompiledSchema {self.source or 'anonymous'} {self.dialect.value}>"
@@ -104,29 +136,21 @@ class CompiledSchema:
     def is_valid(self, instance: Any) -> bool:
         return bool(self._validator.is_valid(instance))
 
-    def prepare(
+    def _prepare(
         self,
         arguments: Arguments,
         *,
         tool: str | None = None,
         inject_defaults: bool = False,
     ) -> dict[str, Any]:
-        """Arguments the tool may run with, or :class:`ToolArgumentError`. Never mutates ``arguments``."""
-        value = fast_parse(arguments, self.limits.max_bytes, self.limits.max_depth)
-        if value is None:
-            value = parse_arguments(arguments, limits=self.limits, tool=tool)
-        if not inject_defaults and self._validator.is_valid(value):
+        """The whole pipeline; :attr:`prepare` is its fast path and falls back to it."""
+        value = parse_arguments(arguments, limits=self.limits, tool=tool)
+        valid = self._is_valid(value)
+        if valid and not inject_defaults:
             return value
-        coercer = Coercer(
-            self.resolved,
-            is_valid=self._subschema_accepts,
-            max_depth=self.limits.max_depth,
-            inject_defaults=inject_defaults,
-            ref_cache=self._coercion_refs,
-            pattern_cache=self._patterns,
-        )
-        repaired = coercer.coerce(value)
-        if self._validator.is_valid(repaired):
+        coercer = self._coercers[inject_defaults]
+        repaired = coercer.coerce(value, known_invalid=not valid)
+        if self._is_valid(repaired):
             assert isinstance(repaired, dict)
             return repaired
         issues = issues_of(self._validator, repaired, limit=self.limits.max_issues)
@@ -149,6 +173,94 @@ class CompiledSchema:
         if self.defs:
             wrapper[self.dialect.defs_keyword] = self.defs
         return compile_validator(wrapper, source=self.source)
+
+
+class PrepareFn(Protocol):
+    def __call__(
+        self, arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
+    ) -> dict[str, Any]: ...
+
+
+def _fast_path(
+    full: Callable[..., dict[str, Any]],
+    is_valid: Callable[[Any], bool],
+    *,
+    max_bytes: int,
+    max_depth: int,
+) -> PrepareFn:
+    """Build the hot path of one schema: short JSON text, or a dict, that is valid as it is.
+
+    Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth,
+    so no depth walk is needed. A dict is first encoded by orjson, which
+    refuses non-JSON types and gives its size; orjson writes NaN as null, so
+    a dict whose encoding holds a null is searched for NaN, and one with NaN
+    takes the checked path (which refuses it). A flat dict of plain scalars
+    is copied with ``dict()``; a nested one is decoded back (a deep copy).
+    ``is_valid`` is the guarded validator (see :func:`_guard_integers`), so
+    an integer beyond 64 bits that orjson read as a float fails here and the
+    text is read again, exactly, by the full pipeline.
+    Anything else, and anything invalid, goes through ``full`` untouched.
+    Closure variables instead of attribute lookups: this runs on every call.
+    """
+    loads = orjson.loads
+    dumps = orjson.dumps
+    short = min(max_bytes + 1, 2 * (max_depth + 1))
+    plain_scalars = frozenset((str, int, float, bool, type(None)))
+
+    def prepare(
+        arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
+    ) -> dict[str, Any]:
+        kind = type(arguments)
+        value: Any = None
+        if kind is str:
+            if len(arguments) < short:
+                try:
+                    value = loads(arguments)  # type: ignore[arg-type]
+                except ValueError:
+                    value = None
+        elif kind is dict:
+            try:
+                encoded = dumps(arguments, option=PLAIN_ONLY)
+            except TypeError:
+                encoded = b""
+            if encoded:
+                kinds = set(map(type, arguments.values()))  # type: ignore[union-attr]
+                if kinds <= plain_scalars:  # flat: a shallow copy is a full copy
+                    if len(encoded) <= max_bytes and (
+                        float not in kinds or not has_non_finite(arguments)
+                    ):
+                        value = dict(arguments)  # type: ignore[arg-type]
+                elif len(encoded) < short and (
+                    encoded.find(b"null") < 0 or not has_non_finite(arguments)
+                ):
+                    value = loads(encoded)
+        if not inject_defaults and type(value) is dict and is_valid(value):
+            return value
+        return full(arguments, tool=tool, inject_defaults=inject_defaults)
+
+    return prepare
+
+
+#: The fast path reads JSON with orjson, which turns an integer beyond 64 bits into a
+#: float. Bounds at every integer position make such a value fail the fast validator,
+#: so the full pipeline re-reads the text exactly. Only ever stricter than the schema.
+_INT_LIMIT = 2**63 - 1
+
+
+def _guard_integers(schema: dict[str, Any]) -> Any:
+    def bound(node: dict[str, Any], pointer: str) -> dict[str, Any]:
+        declared = node.get("type")
+        if declared == "integer" or (isinstance(declared, list) and "integer" in declared):
+            high, low = node.get("maximum"), node.get("minimum")
+            node["maximum"] = min(high, _INT_LIMIT) if _is_number(high) else _INT_LIMIT  # type: ignore[type-var]
+            node["minimum"] = max(low, -_INT_LIMIT) if _is_number(low) else -_INT_LIMIT  # type: ignore[type-var]
+        return node
+
+    return map_schema(schema, bound)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_against_meta_schema(schema: dict[str, Any] | bool, source: str | None) -> None:
@@ -177,22 +289,23 @@ def compile_schema(
 
 
 _CACHE_SIZE = 512
-_cache: dict[int, tuple[object, CompiledSchema]] = {}
+# id(schema) -> (schema, its compiled prepare). Holding the schema keeps its id from being reused.
+_cache: dict[int, tuple[object, PrepareFn]] = {}
 _cache_lock = threading.Lock()
 
 
-def _compiled_for(schema: Mapping[str, Any] | bool | CompiledSchema) -> CompiledSchema:
+def _compiled_for(schema: Mapping[str, Any] | bool | CompiledSchema) -> PrepareFn:
     if isinstance(schema, CompiledSchema):
-        return schema
+        return schema.prepare
     entry = _cache.get(id(schema))
     if entry is not None and entry[0] is schema:
         return entry[1]
-    compiled = CompiledSchema(schema)
+    prepare = CompiledSchema(schema).prepare
     with _cache_lock:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))
-        _cache[id(schema)] = (schema, compiled)
-    return compiled
+        _cache[id(schema)] = (schema, prepare)
+    return prepare
 
 
 def prepare_arguments(
@@ -210,4 +323,12 @@ def prepare_arguments(
     :class:`ToolArgumentError` for anything that cannot be made valid, and
     :class:`SchemaError` for a malformed schema.
     """
-    return _compiled_for(schema).prepare(arguments, tool=tool, inject_defaults=inject_defaults)
+    try:
+        cached, prepare = _cache[id(schema)]
+    except KeyError:
+        cached, prepare = None, None
+    if cached is not schema or prepare is None:
+        prepare = _compiled_for(schema)
+    if tool is None and not inject_defaults:
+        return prepare(arguments)
+    return prepare(arguments, tool=tool, inject_defaults=inject_defaults)

@@ -13,10 +13,14 @@ Two audiences, kept apart:
     AgentBackendError
     ├── ModelFacingError
     │   ├── ToolArgumentError        arguments unparseable or invalid after repair
-    │   └── UnknownToolError         no tool of that name
+    │   ├── UnknownToolError         no tool of that name
+    │   └── PathOutsideWorkspace     a file tool's path escapes the session workspace
     ├── SchemaError                  a tool schema is malformed (file, pointer)
     │   └── SchemaRefError           unresolvable or ref-only cyclic $ref
     ├── ConfigError                  a bad pool/config file (file, key, expected)
+    ├── PoolError                    a pool used wrongly
+    │   ├── LeaseError               release with a stale or foreign owner token
+    │   └── PoolClosed               use after aclose()/stop()
     └── BackendError                 the place a tool runs failed
         ├── BackendUnavailable       cannot reach / start the backend
         ├── WorkerLost               the worker died mid-call
@@ -43,7 +47,11 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "ConfigError",
+    "LeaseError",
     "ModelFacingError",
+    "PathOutsideWorkspace",
+    "PoolClosed",
+    "PoolError",
     "SchemaError",
     "SchemaRefError",
     "ToolArgumentError",
@@ -188,6 +196,18 @@ class UnknownToolError(ModelFacingError):
         return self._render(limit)
 
 
+class PathOutsideWorkspace(ModelFacingError):
+    """A file tool was given a path that leaves the session workspace (``..``, absolute, symlink)."""
+
+    path: str
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"path {clip(path, 200)!r} is outside the workspace; use a relative path inside it"
+        )
+
+
 class SchemaError(AgentBackendError):
     """A tool schema is malformed. ``source`` names the file (or tool), ``pointer`` the place."""
 
@@ -235,6 +255,18 @@ class ConfigError(AgentBackendError):
         self.file = file
         self.key = key
         self.expected = expected
+
+
+class PoolError(AgentBackendError):
+    """A pool was used wrongly (a programming error, not a host failure)."""
+
+
+class LeaseError(PoolError):
+    """A lease was released with a token that does not own it (stale, foreign or already released)."""
+
+
+class PoolClosed(PoolError):
+    """The pool (or session) was used after ``aclose()``/``stop()`` began."""
 
 
 class BackendError(AgentBackendError):

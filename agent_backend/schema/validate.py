@@ -60,8 +60,11 @@ def render_value(value: Any, limit: int = 60) -> str:
     return clip(text, limit)
 
 
-def _type_of(value: Any) -> str:
-    return json_type_name(value)
+def _describe(value: Any) -> str:
+    """``string "abc"``, ``integer 5``; just ``null``/``true``/``false`` where the value says it all."""
+    if value is None or isinstance(value, bool):
+        return render_value(value)
+    return f"{json_type_name(value)} {render_value(value)}"
 
 
 def _options(values: Any, limit: int = 120) -> str:
@@ -84,7 +87,7 @@ def _branch_types(context: Any) -> str:
 
 _RENDERERS: dict[str, Callable[[dict[str, Any], Any], tuple[str, str]]] = {
     "type": lambda d, v: (
-        f"expected {' or '.join(d.get('types', []))}, got {_type_of(v)} {render_value(v)}",
+        f"expected {' or '.join(d.get('types', []))}, got {_describe(v)}",
         " or ".join(d.get("types", [])),
     ),
     "required": lambda d, v: (f"missing required property {d.get('property')!r}", "present"),
@@ -124,7 +127,7 @@ def _issue(error: Any) -> ArgumentIssue:
         message, expected = _RENDERERS[name](details, value)
     elif name in ("anyOf", "oneOf", "oneOfNotValid"):
         wanted = _branch_types(getattr(kind, "context", None))
-        message = f"got {_type_of(value)} {got}, which matches none of the allowed forms ({wanted})"
+        message = f"got {_describe(value)}, which matches none of the allowed forms ({wanted})"
         expected = wanted
     elif name == "oneOfMultipleValid":
         message = f"got {got}, which matches more than one allowed form; make it unambiguous"

@@ -1,0 +1,192 @@
+"""The small abstract base every backend implements: hosts that run commands and hold files.
+
+A *backend* is a set of *hosts* of one kind (this machine; SSH hosts; later
+Ray actors), opened and closed as one async resource. A *host* is one place a
+command runs: it executes a :class:`Command` and returns a
+:class:`CommandResult`, and it offers the few file operations the built-in
+file tools need. Everything above this module (dispatch, sessions, daemon)
+speaks only these types; everything below it (``backends/*``) implements
+them and maps its own exceptions to ``agent_backend.errors`` at the boundary.
+
+Contract for implementations:
+
+* ``run`` never raises for a command that ran and failed (non-zero exit,
+  killed by its timeout): that is a result. It raises
+  :class:`~agent_backend.errors.BackendError` subclasses only for
+  infrastructure failures (host unreachable, connection lost mid-call).
+* Timeout and cancellation kill the whole process group (or the remote
+  process): nothing the command started outlives the call.
+* Output is captured incrementally into :class:`~agent_backend.dispatch.output.OutputBuffer`,
+  bounded in memory whatever the command prints.
+* ``aclose()`` is idempotent and leaves nothing running or open.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Literal, Self
+
+from agent_backend.errors import BackendUnavailable
+
+__all__ = ["Backend", "Command", "CommandResult", "DirEntry", "FileData", "Host", "Output"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Output:
+    """A captured stream: all of it, or its head and tail when it was longer than the bound."""
+
+    data: bytes
+    """What was kept: the whole stream, or head + a marker line + tail."""
+    total_bytes: int
+    """How many bytes the stream really had."""
+    truncated: bool
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+EMPTY_OUTPUT = Output(b"", 0, False)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    """One command for a host. Exactly one of ``argv`` and ``shell`` is set."""
+
+    argv: tuple[str, ...] | None = None
+    """Run this program with these arguments; on SSH each is quoted for the remote shell."""
+    shell: str | None = None
+    """Run this command line with the host's shell (``/bin/sh -c``)."""
+    cwd: str | None = None
+    """Absolute working directory on the host (a session's workspace); None: the host's default."""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Extra environment variables."""
+    stdin: bytes | None = None
+    """Bytes written to standard input, which is then closed; None: empty input."""
+    timeout: float
+    """Seconds before the process (group) is killed and the result marked ``timed_out``."""
+    output_limit: int = 65536
+    """Bytes kept per stream (head and tail); the rest is counted, not stored."""
+
+    def __post_init__(self) -> None:
+        if (self.argv is None) == (self.shell is None):
+            raise ValueError("a Command needs exactly one of argv and shell")
+        if self.argv is not None and not self.argv:
+            raise ValueError("argv must not be empty")
+        if self.timeout <= 0:
+            raise ValueError("timeout must be positive")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class CommandResult:
+    """How a command ended. ``exit_status`` is None when it was killed (``signal`` says by what)."""
+
+    exit_status: int | None
+    signal: str | None = None
+    stdout: Output = EMPTY_OUTPUT
+    stderr: Output = EMPTY_OUTPUT
+    duration: float = 0.0
+    timed_out: bool = False
+    host: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FileData:
+    data: bytes
+    """At most the requested limit of bytes, from the start of the file."""
+    size: int
+    """The file's full size."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DirEntry:
+    name: str
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: int
+
+
+class Host(abc.ABC):
+    """One place commands run and files live. Paths are absolute paths on that host."""
+
+    name: str
+    """Stable, human-readable: ``local`` or ``user@host:port``."""
+
+    @abc.abstractmethod
+    async def run(self, command: Command) -> CommandResult: ...
+
+    @abc.abstractmethod
+    async def make_workspace(self) -> str:
+        """Create a new private (0700) directory and return its absolute, symlink-free path."""
+
+    @abc.abstractmethod
+    async def remove_workspace(self, path: str) -> None:
+        """Remove a directory made by :meth:`make_workspace`, with everything in it."""
+
+    @abc.abstractmethod
+    async def realpath(self, path: str) -> str:
+        """``path`` with every symlink resolved (the path itself need not exist)."""
+
+    @abc.abstractmethod
+    async def read_file(self, path: str, *, limit: int) -> FileData: ...
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes) -> None:
+        """Create or replace a regular file (its parent directory must exist)."""
+
+    @abc.abstractmethod
+    async def list_dir(self, path: str) -> list[DirEntry]: ...
+
+    @abc.abstractmethod
+    def load(self) -> int:
+        """Calls in flight on this host now, for least-loaded placement."""
+
+    def is_up(self) -> bool:
+        """False while the host is marked down after repeated failures."""
+        return True
+
+
+class Backend(abc.ABC):
+    """A set of hosts of one kind, opened and closed together (``async with``)."""
+
+    kind: ClassVar[str]
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Open what the backend needs (background tasks, first connections)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close everything; idempotent; nothing is left running or open afterwards."""
+
+    @property
+    @abc.abstractmethod
+    def hosts(self) -> Sequence[Host]: ...
+
+    def pick_host(self) -> Host:
+        """The least-loaded host that is up."""
+        up = [host for host in self.hosts if host.is_up()]
+        if not up:
+            raise BackendUnavailable(f"no {self.kind} host is up", backend=self.kind)
+        return min(up, key=lambda host: host.load())
+
+    @abc.abstractmethod
+    def statistics(self) -> Any:
+        """A frozen dataclass describing the backend's state now."""

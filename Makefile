@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test lint typecheck pytest bench system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,11 +23,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy agent_backend
 
-pytest: $(STAMP)
+system-deps:
+	bash scripts/ensure-system-deps.sh
+
+pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest -W error -q
 
 test: lint typecheck pytest
 
+# Benchmarks print figures side by side with their baselines; they are not part of `make test`.
 bench: $(STAMP)
 	$(BIN)/python bench/schema_bench.py
 

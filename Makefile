@@ -33,6 +33,8 @@ test: lint typecheck pytest
 
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python bench/validator_bench.py
 	$(BIN)/python bench/schema_bench.py
 
 clean:

@@ -414,3 +414,33 @@ def test_ref_only_cycle_is_a_schema_error_not_recursion_error() -> None:
     }
     with pytest.raises(SchemaRefError):
         compile_schema(schema)
+
+
+def test_depth_bound_holds_for_long_text_and_brackets_in_strings() -> None:
+    schema: dict[str, Any] = {"type": "object"}
+    nested: Any = 1
+    for _ in range(64):  # the arguments object itself is level 1: this is 65 levels
+        nested = [nested]
+    with pytest.raises(ToolArgumentError, match="deeper than 64"):
+        prepare_arguments(schema, json.dumps({"a": nested, "pad": "x" * 200}))
+    with pytest.raises(ToolArgumentError, match="deeper than 64"):
+        prepare_arguments(schema, {"a": nested, "pad": "x" * 200})
+    shallow = {"note": "[[[{{{" * 50, "pad": "y" * 200}
+    assert prepare_arguments(schema, json.dumps(shallow)) == shallow
+    assert prepare_arguments(schema, shallow) == shallow
+
+
+@pytest.mark.parametrize(
+    "number", [123456789012345678901234567890, -9223372036854775809, 2**64, 2**63]
+)
+def test_integers_beyond_64_bits_stay_exact(number: int) -> None:
+    """orjson reads these as floats; the result must still be the exact integer."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {"type": "number"}}}
+    for key in ("n", "x"):
+        for arguments in (f'{{"{key}": {number}}}', {key: number}):
+            out = prepare_arguments(schema, arguments)
+            assert out == {key: number}
+            assert type(out[key]) is int
+        long_text = f'{{"{key}": {number}, "pad": "{"z" * 200}"}}'
+        assert type(prepare_arguments(schema, long_text)[key]) is int
+        assert prepare_arguments(schema, {key: str(number)}) == {key: number}

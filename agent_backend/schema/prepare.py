@@ -34,6 +34,7 @@ from agent_backend.schema.parse import (
     DEFAULT_LIMITS,
     PLAIN_ONLY,
     Limits,
+    check_depth,
     has_non_finite,
     parse_arguments,
 )
@@ -182,6 +183,14 @@ class PrepareFn(Protocol):
     ) -> dict[str, Any]: ...
 
 
+def within_depth(value: Any, max_depth: int) -> bool:
+    try:
+        check_depth(value, max_depth)
+    except ValueError:
+        return False
+    return True
+
+
 def _fast_path(
     full: Callable[..., dict[str, Any]],
     is_valid: Callable[[Any], bool],
@@ -192,7 +201,7 @@ def _fast_path(
     """Build the hot path of one schema: short JSON text, or a dict, that is valid as it is.
 
     Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth,
-    so no depth walk is needed. A dict is first encoded by orjson, which
+    so no depth walk is needed; longer text counts its brackets first. A dict is first encoded by orjson, which
     refuses non-JSON types and gives its size; orjson writes NaN as null, so
     a dict whose encoding holds a null is searched for NaN, and one with NaN
     takes the checked path (which refuses it). A flat dict of plain scalars
@@ -205,8 +214,17 @@ def _fast_path(
     """
     loads = orjson.loads
     dumps = orjson.dumps
-    short = min(max_bytes + 1, 2 * (max_depth + 1))
+    short = 2 * (max_depth + 1)
     plain_scalars = frozenset((str, int, float, bool, type(None)))
+
+    def shallow_enough(text: str | bytes, value: Any) -> bool:
+        # Fewer opening brackets than the bound: cannot nest deeper. Brackets
+        # inside strings only over-count, and then the value itself is walked.
+        if isinstance(text, str):
+            brackets = text.count("{") + text.count("[")
+        else:
+            brackets = text.count(b"{") + text.count(b"[")
+        return brackets <= max_depth or within_depth(value, max_depth)
 
     def prepare(
         arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
@@ -214,27 +232,28 @@ def _fast_path(
         kind = type(arguments)
         value: Any = None
         if kind is str:
-            if len(arguments) < short:
+            size = len(arguments)
+            if size <= max_bytes:
                 try:
                     value = loads(arguments)  # type: ignore[arg-type]
                 except ValueError:
+                    value = None
+                if size >= short and type(value) is dict and not shallow_enough(arguments, value):  # type: ignore[arg-type]
                     value = None
         elif kind is dict:
             try:
                 encoded = dumps(arguments, option=PLAIN_ONLY)
             except TypeError:
                 encoded = b""
-            if encoded:
+            if encoded and len(encoded) <= max_bytes:
                 kinds = set(map(type, arguments.values()))  # type: ignore[union-attr]
                 if kinds <= plain_scalars:  # flat: a shallow copy is a full copy
-                    if len(encoded) <= max_bytes and (
-                        float not in kinds or not has_non_finite(arguments)
-                    ):
+                    if float not in kinds or not has_non_finite(arguments):
                         value = dict(arguments)  # type: ignore[arg-type]
-                elif len(encoded) < short and (
-                    encoded.find(b"null") < 0 or not has_non_finite(arguments)
-                ):
+                elif encoded.find(b"null") < 0 or not has_non_finite(arguments):
                     value = loads(encoded)
+                    if len(encoded) >= short and not shallow_enough(encoded, value):
+                        value = None
         if not inject_defaults and type(value) is dict and is_valid(value):
             return value
         return full(arguments, tool=tool, inject_defaults=inject_defaults)
@@ -243,15 +262,18 @@ def _fast_path(
 
 
 #: The fast path reads JSON with orjson, which turns an integer beyond 64 bits into a
-#: float. Bounds at every integer position make such a value fail the fast validator,
-#: so the full pipeline re-reads the text exactly. Only ever stricter than the schema.
+#: float. Bounds at every integer and number position make such a value fail the fast
+#: validator, so the full pipeline re-reads the text exactly. Only ever stricter than
+#: the schema. (Where the schema leaves a value untyped, a float is what JSON text of
+#: that size means to most parsers, and the fast path keeps it.)
 _INT_LIMIT = 2**63 - 1
 
 
 def _guard_integers(schema: dict[str, Any]) -> Any:
     def bound(node: dict[str, Any], pointer: str) -> dict[str, Any]:
         declared = node.get("type")
-        if declared == "integer" or (isinstance(declared, list) and "integer" in declared):
+        types = declared if isinstance(declared, list) else [declared]
+        if "integer" in types or "number" in types:
             high, low = node.get("maximum"), node.get("minimum")
             node["maximum"] = min(high, _INT_LIMIT) if _is_number(high) else _INT_LIMIT  # type: ignore[type-var]
             node["minimum"] = max(low, -_INT_LIMIT) if _is_number(low) else -_INT_LIMIT  # type: ignore[type-var]

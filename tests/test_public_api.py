@@ -1,0 +1,71 @@
+"""The public surface: __all__ matches what is exported, every error pickles with its fields."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pickle
+import pkgutil
+
+import pytest
+
+import agent_backend
+from agent_backend import errors
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    public = {name for name in vars(agent_backend) if not name.startswith("_")}
+    public -= {m.name for m in pkgutil.iter_modules(agent_backend.__path__)}  # submodules
+    assert set(agent_backend.__all__) - {"__version__"} == public
+    for name in agent_backend.__all__:
+        assert hasattr(agent_backend, name), name
+
+
+def test_every_subpackage_all_is_importable() -> None:
+    for info in pkgutil.walk_packages(agent_backend.__path__, "agent_backend."):
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", ()):
+            assert hasattr(module, name), f"{info.name}.{name}"
+
+
+ERROR_SAMPLES = [
+    errors.AgentBackendError("root"),
+    errors.ToolArgumentError(
+        "bad", issues=[errors.ArgumentIssue("/a", "expected integer", "integer", '"x"')], tool="t"
+    ),
+    errors.UnknownToolError("nope", available=["a", "b"]),
+    errors.PathOutsideWorkspace("../etc/passwd"),
+    errors.SchemaError("broken", source="f.json", pointer="/properties/a"),
+    errors.SchemaRefError("cycle", ref="#/$defs/A", cycle=["#/$defs/A", "#/$defs/B"], source="s"),
+    errors.ConfigError("bad key", file="pools/x.toml", key="hosts.0.port", expected="an integer"),
+    errors.LeaseError("stale token"),
+    errors.PoolClosed("closed"),
+    errors.BackendUnavailable("down", backend="ssh", host="h:22"),
+    errors.WorkerLost("lost", worker="conn-1", cause="EOF", backend="ssh", host="h:22"),
+    errors.ToolTimeout("slow", timeout=1.5, backend="local", host="local"),
+]
+
+
+def test_every_error_class_has_a_sample() -> None:
+    classes = {
+        cls
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.AgentBackendError)
+    }
+    sampled = {type(e) for e in ERROR_SAMPLES}
+    assert classes - sampled == {errors.ModelFacingError, errors.BackendError, errors.PoolError}
+
+
+@pytest.mark.parametrize("error", ERROR_SAMPLES, ids=lambda e: type(e).__name__)
+def test_errors_pickle_with_their_fields(error: errors.AgentBackendError) -> None:
+    clone = pickle.loads(pickle.dumps(error))
+    assert type(clone) is type(error)
+    assert clone.__dict__ == error.__dict__
+    assert str(clone) == str(error)
+    assert clone.args == error.args
+
+
+def test_timeout_is_also_a_builtin_timeout() -> None:
+    assert isinstance(errors.ToolTimeout("x"), TimeoutError)
+    with pytest.raises(TimeoutError):
+        raise errors.ToolTimeout("x", timeout=1.0)

@@ -98,7 +98,9 @@ def conformance(compile_: Compile) -> tuple[int, int, int]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", type=int, default=60)
     options = parser.parse_args()
     missing = realworld_missing_reason()
@@ -126,11 +128,15 @@ def main() -> int:
         best = dict.fromkeys(CANDIDATES, float("inf"))
         for _ in range(5):
             for name, is_valid in validators.items():
-                best[name] = min(best[name], timeit.timeit(lambda v=is_valid: v(args), number=500) / 500)
+                best[name] = min(
+                    best[name], timeit.timeit(lambda v=is_valid, a=args: v(a), number=500) / 500
+                )
         for name, seconds in best.items():
             check_times[name].append(seconds)
     base = statistics.median(check_times["jsonschema"])
-    print(f"\n{'validator':16} {'compile (median)':>18} {'is_valid (median)':>18} {'vs jsonschema':>14} {'suite verdicts':>22}")
+    print(
+        f"\n{'validator':16} {'compile (median)':>18} {'is_valid (median)':>18} {'vs jsonschema':>14} {'suite verdicts':>22}"
+    )
     for name, compile_ in CANDIDATES.items():
         total, right, broken = conformance(compile_)
         check = statistics.median(check_times[name])

@@ -303,3 +303,20 @@ def test_tool_call_is_frozen() -> None:
     with pytest.raises(AttributeError):
         call.name = "g"  # type: ignore[misc]
     assert json.loads(str(call.arguments)) == {}
+
+
+def test_hermes_last_block_cut_off_by_a_stop_sequence_still_counts() -> None:
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    prose, calls = from_hermes(text)
+    assert prose == "Let me check."
+    assert len(calls) == 1
+    assert calls[0].error is None
+    assert calls[0].name == "get_weather"
+    assert calls[0].arguments == {"city": "Oslo"}
+
+
+def test_hermes_last_block_cut_off_mid_json_is_an_error() -> None:
+    _, calls = from_hermes('<tool_call>{"name": "get_weather", "arguments": {"city": "Os')
+    assert len(calls) == 1
+    assert calls[0].error is not None
+    assert calls[0].name == "get_weather"

@@ -252,8 +252,10 @@ def from_hermes(text: str) -> tuple[str, list[ToolCall]]:
 
     The prose around the blocks is kept (blocks cut out, ends stripped). A
     block whose JSON does not parse, or that is never closed (the next
-    ``<tool_call>`` or the end of text comes first), becomes a call with
-    ``error`` set. One forward scan: linear in ``len(text)``.
+    ``<tool_call>`` comes first), becomes a call with ``error`` set. A last
+    block cut off by the end of the message (servers that stop on
+    ``</tool_call>`` drop it) counts when what it holds is a complete call.
+    One forward scan: linear in ``len(text)``.
     """
     prose: list[str] = []
     calls: list[ToolCall] = []
@@ -274,6 +276,14 @@ def from_hermes(text: str) -> tuple[str, list[ToolCall]]:
             # Searched again only when passed, so unclosed blocks cost no rescans.
             close = text.find(HERMES_CLOSE, body_start)
         reopen = text.find(HERMES_OPEN, body_start, close if close >= 0 else len(text))
+        if close < 0 and reopen < 0:
+            # Runs to the end of the message: a server whose stop sequence is
+            # the closing tag cuts it off. A complete call inside still counts.
+            tail = _hermes_body(text[body_start:], len(calls))
+            if tail and all(call.error is None for call in tail):
+                calls.extend(tail)
+                pos = len(text)
+                continue
         if close < 0 or reopen >= 0:
             stop = reopen if reopen >= 0 else len(text)
             where = "the next block" if reopen >= 0 else "the end of the message"

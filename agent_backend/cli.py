@@ -11,7 +11,7 @@ import json
 import sys
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -55,7 +55,7 @@ def _registry(tools_dir: Path) -> ToolRegistry:
         _fail(str(exc), code=3)
 
 
-def _fail(message: str, *, code: int) -> Any:
+def _fail(message: str, *, code: int) -> NoReturn:
     typer.echo(message, err=True)
     raise typer.Exit(code)
 

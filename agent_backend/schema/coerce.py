@@ -40,6 +40,16 @@ _BOOLEANS = {"true": True, "false": False, "True": True, "False": False}
 _CONVERSION_ORDER = ("integer", "number", "boolean", "null", "object", "array")
 
 IsValid = Callable[[Any, Any], bool]
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+_PYTHON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "null": (type(None),),
+    "object": (dict,),
+    "array": (list,),
+}
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,7 +59,7 @@ class _Plan:
     ref: Any
     members: list[Any] | None
     member_kinds: tuple[str, ...]
-    types: list[Any] | None
+    types: frozenset[Any] | None
     unions: tuple[list[Any], ...]
     all_of: list[Any]
     properties: dict[str, Any]
@@ -58,6 +68,10 @@ class _Plan:
     prefix: list[Any]
     rest: Any
     defaults: tuple[tuple[str, Any], ...]
+    only_types: bool
+    """Nothing but ``type`` matters for a scalar here (no ref, enum, const or combinators)."""
+    python_types: frozenset[type]
+    """Python types that certainly satisfy ``types`` (a fast check before ``_type_allowed``)."""
 
 
 class Coercer:
@@ -97,7 +111,8 @@ class Coercer:
         plan = entry[1] if entry is not None else self._plan(node)
         if plan.ref is not None:
             value = self._coerce(value, plan.ref, depth)
-        value = self._convert_here(value, plan, depth)
+        if plan.members is not None or plan.types is not None:
+            value = self._convert_here(value, plan, depth)
         for branches in plan.unions:
             value = self._choose_branch(value, branches, depth)
         for branch in plan.all_of:
@@ -171,9 +186,17 @@ class Coercer:
     def _descend_object(self, value: dict[str, Any], plan: _Plan, depth: int) -> Any:
         properties = plan.properties
         result = value
+        plans = self._plans
         for key, child in value.items():
             schema = properties.get(key)
-            new = child if schema is None else self._coerce(child, schema, depth + 1)
+            if schema is None:
+                new = child
+            else:
+                entry = plans.get(id(schema))
+                if entry is not None and entry[1].only_types and type(child) in _SCALAR_TYPES:
+                    new = self._repair_scalar(child, entry[1], depth + 1)
+                else:
+                    new = self._coerce(child, schema, depth + 1)
             matched = schema is not None
             for pattern, pattern_schema in plan.patterns:
                 if pattern.search(key):
@@ -192,6 +215,18 @@ class Coercer:
                         result = dict(value)
                     result[key] = copy.deepcopy(default)
         return result
+
+    def _repair_scalar(self, value: Any, plan: _Plan, depth: int) -> Any:
+        """``_coerce`` for a scalar where only ``type`` matters, without its generic steps."""
+        types = plan.types
+        if types is None or type(value) in plan.python_types or _type_allowed(value, types):
+            return value
+        value = self._convert_here(value, plan, depth)
+        if isinstance(value, dict):
+            return self._descend_object(value, plan, depth)
+        if isinstance(value, list):
+            return self._descend_array(value, plan, depth)
+        return value
 
     def _descend_array(self, value: list[Any], plan: _Plan, depth: int) -> Any:
         prefix, rest = plan.prefix, plan.rest
@@ -234,7 +269,9 @@ class Coercer:
             ref=self._lookup(ref) if isinstance(ref, str) else None,
             members=members,
             member_kinds=tuple(dict.fromkeys(json_type_name(m) for m in members or ())),
-            types=types if isinstance(types, list) else None,
+            types=frozenset(t for t in types if isinstance(t, str))
+            if isinstance(types, list)
+            else None,
             unions=tuple(
                 branches
                 for branches in (node.get("anyOf"), node.get("oneOf"))
@@ -251,6 +288,15 @@ class Coercer:
                 for key, schema in properties.items()
                 if isinstance(schema, dict) and "default" in schema
             ),
+            only_types=False,
+            python_types=frozenset(
+                python
+                for name in (types if isinstance(types, list) else ())
+                for python in _PYTHON_TYPES.get(name, ())
+            ),
+        )
+        plan.only_types = (
+            plan.ref is None and members is None and not plan.unions and not plan.all_of
         )
         self._plans[id(node)] = (node, plan)  # holding node keeps its id from being reused
         return plan
@@ -281,12 +327,12 @@ def _compile_patterns(patterns: dict[str, Any]) -> tuple[tuple[re.Pattern[str], 
     return tuple(compiled)
 
 
-def _type_allowed(value: Any, types: list[Any]) -> bool:
+def _type_allowed(value: Any, types: frozenset[Any]) -> bool:
     kind = json_type_name(value)
     if kind in types:
         return True
-    if kind == "integer" and "number" in types:
-        return True
+    if kind == "integer":
+        return "number" in types
     return kind == "number" and "integer" in types and float(value).is_integer()
 
 

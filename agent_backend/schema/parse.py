@@ -152,11 +152,18 @@ def has_non_finite(value: Any) -> bool:
     stack = [value]
     while stack:
         node = stack.pop()
-        for child in node.values() if isinstance(node, Mapping) else node:
+        kind = type(node)
+        if kind is dict or (kind is not list and kind is not tuple and isinstance(node, Mapping)):
+            children: Any = node.values()
+        else:
+            children = node
+        for child in children:
             kind = type(child)
             if kind is float:
-                if child != child or child in (math.inf, -math.inf):
+                if child - child != 0.0:  # inf - inf and nan - nan are nan
                     return True
+            elif kind is str or kind is int or kind is bool or child is None:
+                continue
             elif kind is dict or kind is list or kind is tuple or isinstance(child, Mapping):
                 stack.append(child)
             elif isinstance(child, float) and not math.isfinite(child):
@@ -302,10 +309,22 @@ def parse_arguments(
     return value
 
 
+_JSON_TYPE_NAMES = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    type(None): "null",
+    dict: "object",
+    list: "array",
+}
+
+
 def json_type_name(value: Any) -> str:
     """The JSON Schema type name of a Python JSON value."""
-    if value is None:
-        return "null"
+    name = _JSON_TYPE_NAMES.get(type(value))
+    if name is not None:
+        return name
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int):
@@ -314,8 +333,8 @@ def json_type_name(value: Any) -> str:
         return "number"
     if isinstance(value, str):
         return "string"
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "array"
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return "object"
     return type(value).__name__

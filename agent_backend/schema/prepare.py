@@ -35,6 +35,7 @@ from agent_backend.schema.parse import (
     PLAIN_ONLY,
     Limits,
     check_depth,
+    has_big_float,
     has_non_finite,
     parse_arguments,
 )
@@ -144,9 +145,17 @@ class CompiledSchema:
         *,
         tool: str | None = None,
         inject_defaults: bool = False,
+        parsed: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The whole pipeline; :attr:`prepare` is its fast path and falls back to it."""
-        value = parse_arguments(arguments, limits=self.limits, tool=tool)
+        """The whole pipeline; :attr:`prepare` is its fast path and falls back to it.
+
+        ``parsed`` is what the fast path already read and bounded; it is read
+        again only when it may hold an integer orjson could not keep exact.
+        """
+        if parsed is None or has_big_float(parsed):
+            value = parse_arguments(arguments, limits=self.limits, tool=tool)
+        else:
+            value = parsed
         valid = self._is_valid(value)
         if valid and not inject_defaults:
             return value
@@ -202,10 +211,11 @@ def _fast_path(
 
     Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth,
     so no depth walk is needed; longer text counts its brackets first. A dict is first encoded by orjson, which
-    refuses non-JSON types and gives its size; orjson writes NaN as null, so
-    a dict whose encoding holds a null is searched for NaN, and one with NaN
-    takes the checked path (which refuses it). A flat dict of plain scalars
-    is copied with ``dict()``; a nested one is decoded back (a deep copy).
+    refuses non-JSON types and gives its size. A flat dict of plain scalars
+    is copied with ``dict()`` (after a NaN check of its floats); a nested one
+    is decoded back (a deep copy) and compared with the original, which
+    catches the NaN that orjson writes as null. Either way NaN takes the
+    checked path, which refuses it with its pointer.
     ``is_valid`` is the guarded validator (see :func:`_guard_integers`), so
     an integer beyond 64 bits that orjson read as a float fails here and the
     text is read again, exactly, by the full pipeline.
@@ -250,13 +260,19 @@ def _fast_path(
                 if kinds <= plain_scalars:  # flat: a shallow copy is a full copy
                     if float not in kinds or not has_non_finite(arguments):
                         value = dict(arguments)  # type: ignore[arg-type]
-                elif encoded.find(b"null") < 0 or not has_non_finite(arguments):
+                else:
                     value = loads(encoded)
-                    if len(encoded) >= short and not shallow_enough(encoded, value):
+                    # orjson writes NaN as null: a copy that differs holds NaN (or a tuple, or
+                    # a subclass that compares unequal) and takes the checked path.
+                    if value != arguments or (
+                        len(encoded) >= short and not shallow_enough(encoded, value)
+                    ):
                         value = None
-        if not inject_defaults and type(value) is dict and is_valid(value):
+        if type(value) is not dict:
+            return full(arguments, tool=tool, inject_defaults=inject_defaults)
+        if not inject_defaults and is_valid(value):
             return value
-        return full(arguments, tool=tool, inject_defaults=inject_defaults)
+        return full(arguments, tool=tool, inject_defaults=inject_defaults, parsed=value)
 
     return prepare
 

@@ -1,1 +1,45 @@
 """Dispatch: run prepared tool calls on a backend's hosts, in sessions, with bounded output."""
+
+from agent_backend.dispatch.backend import (
+    Backend,
+    Command,
+    CommandResult,
+    DirEntry,
+    FileData,
+    Host,
+    Output,
+)
+from agent_backend.dispatch.builtin import BUILTIN_DEFINITIONS, builtin_tools
+from agent_backend.dispatch.dispatcher import (
+    CallLike,
+    Dispatcher,
+    DispatcherStatistics,
+    Session,
+    as_tool_call,
+)
+from agent_backend.dispatch.output import OutputBuffer, head_tail
+from agent_backend.dispatch.result import ERROR_TYPES, ToolResult
+from agent_backend.dispatch.spec import META_KEY, ExecutionSpec
+
+__all__ = [
+    "BUILTIN_DEFINITIONS",
+    "ERROR_TYPES",
+    "META_KEY",
+    "Backend",
+    "CallLike",
+    "Command",
+    "CommandResult",
+    "DirEntry",
+    "Dispatcher",
+    "DispatcherStatistics",
+    "ExecutionSpec",
+    "FileData",
+    "Host",
+    "Output",
+    "OutputBuffer",
+    "Session",
+    "ToolResult",
+    "as_tool_call",
+    "builtin_tools",
+    "head_tail",
+]

@@ -1,0 +1,1 @@
+"""Backends: one module per kind of place a tool runs (``local``, ``ssh``), each a ``Backend``."""

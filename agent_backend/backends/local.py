@@ -1,0 +1,641 @@
+"""The local backend: tool commands run as subprocesses of this process, on this machine.
+
+One :class:`LocalHost` per backend. Every command runs in its own process
+group (``start_new_session=True``) so that a timeout, a cancellation or the
+end of the call can signal everything it started: SIGTERM to the group, then
+SIGKILL after ``kill_grace`` seconds. The leader's exit is not the end of a
+call: anything left in its group (``sleep 100 &``) is ended the same way, so
+nothing a call started outlives it. stdout and stderr are read as they arrive
+into :class:`~agent_backend.dispatch.output.OutputBuffer`, so a command that
+prints a gigabyte costs ``output_limit`` bytes of memory.
+
+Commands see only the environment the config lets through
+(``env_passthrough`` and ``extra_env``), plus the command's own ``env``; they
+start in the session workspace, or in a private scratch directory outside a
+session.
+
+This module must never block the event loop: file operations run in worker
+threads; and it must never leave a process, a pipe or a workspace behind
+after :meth:`LocalBackend.aclose`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import logging
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import pydantic
+
+from agent_backend.dispatch.backend import (
+    Backend,
+    Command,
+    CommandResult,
+    DirEntry,
+    FileData,
+    Host,
+    Output,
+)
+from agent_backend.dispatch.output import OutputBuffer
+from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
+
+__all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
+
+logger = logging.getLogger("agent_backend.backends.local")
+
+_ENV_NAME = r"^[^=\x00]+$"
+# Spawn failures that mean this machine is out of something: infrastructure, raised.
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
+# After the group is ended, how long pipes still held by an escaped process
+# (one that left the group with setsid) may keep the call from returning.
+_DRAIN_SECONDS = 1.0
+_READ_CHUNK = 256 * 1024
+
+
+def _expand_path(value: str | None, info: pydantic.ValidationInfo) -> str | None:
+    """``~`` expanded; a relative path is taken relative to the config file's directory."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        base = (info.context or {}).get("config_dir")
+        path = Path(base) / path if base is not None else Path.cwd() / path
+    return os.fspath(path)
+
+
+class LocalPoolConfig(pydantic.BaseModel):
+    """A pool that runs every call on this machine (``type = "local"``)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["local"] = "local"
+    """Selects the local backend."""
+    workspace_root: str | None = None
+    """Directory in which session workspaces (and the scratch directory) are created, made if
+    missing. Relative paths are relative to the pool file. None: the system temporary directory."""
+    default_cwd: str | None = None
+    """Working directory of commands run outside a session (it must exist). None: a private
+    scratch directory made at start and removed at close, shared by all sessionless calls."""
+    max_concurrent_calls: int = pydantic.Field(default=32, ge=1, le=4096)
+    """Commands running at once; more wait for a slot, and the wait counts against their timeout."""
+    env_passthrough: tuple[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], ...] = (
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "TERM",
+    )
+    """Variables copied from this process's environment into every command's, when set.
+    Nothing else is inherited (no API keys leak into tool commands by default)."""
+    extra_env: dict[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], str] = (
+        pydantic.Field(default_factory=dict)
+    )
+    """Variables set for every command, over the passed-through ones (a call's own env wins)."""
+    shell: str = "/bin/sh"
+    """The shell that runs command lines (``shell -c LINE``)."""
+    kill_grace: float = pydantic.Field(default=2.0, gt=0, le=60)
+    """Seconds between SIGTERM and SIGKILL when a call's process group is ended."""
+
+    @pydantic.field_validator("workspace_root", "default_cwd")
+    @classmethod
+    def _resolve_path(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
+        return _expand_path(value, info)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LocalStatistics:
+    calls_active: int
+    """Commands running now."""
+    calls_queued: int
+    """Commands waiting for a slot."""
+    max_concurrent_calls: int
+    workspaces: int
+    """Workspaces made and not yet removed."""
+    closed: bool
+
+
+def _exit_of(returncode: int) -> tuple[int | None, str | None]:
+    if returncode >= 0:
+        return returncode, None
+    try:
+        return None, signal.Signals(-returncode).name
+    except ValueError:
+        return None, f"signal {-returncode}"
+
+
+def _live_member(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is not a zombie.
+
+    Orphans of a call are reparented to init, and an init that does not reap
+    (as in some containers) leaves them as zombies that still count as group
+    members for ``killpg(pgid, 0)``. A zombie has let go of its pipes and runs
+    nothing, so only live members matter. Without ``/proc``, assume alive.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return True
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                raw = file.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    """Send ``signum`` to the group; False when the group has no member left."""
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def _group_alive(pgid: int) -> bool:
+    if not _signal_group(pgid, 0):
+        return False
+    return await anyio.to_thread.run_sync(_live_member, pgid, abandon_on_cancel=True)
+
+
+async def _pump(stream: anyio.abc.ByteReceiveStream | None, buffer: OutputBuffer) -> None:
+    if stream is None:
+        return
+    try:
+        while True:
+            buffer.feed(await stream.receive(_READ_CHUNK))
+    except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
+
+
+async def _feed(stream: anyio.abc.ByteSendStream | None, data: bytes) -> None:
+    if stream is None:
+        return
+    try:
+        if data:
+            await stream.send(data)
+        await stream.aclose()
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+        # The command exited (or was killed) without reading all of its input.
+        pass
+
+
+def _busy_result(host: str, duration: float) -> CommandResult:
+    message = b"the command did not start within its timeout: the host was busy"
+    return CommandResult(
+        exit_status=None,
+        stderr=Output(message, len(message), False),
+        duration=duration,
+        timed_out=True,
+        host=host,
+    )
+
+
+def _rmtree(path: str) -> None:
+    """Remove ``path`` and everything in it, even directories the command made unwritable."""
+    try:
+        shutil.rmtree(path)
+        return
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        pass
+    # A tool may have chmod'ed directories read-only; make ours writable and try again.
+    for root, dirs, _files in os.walk(path):
+        for name in dirs:
+            child = os.path.join(root, name)
+            if not os.path.islink(child):
+                with contextlib.suppress(OSError):
+                    os.chmod(child, 0o700)
+    os.chmod(path, 0o700)
+    shutil.rmtree(path)
+
+
+def _read_file(path: str, limit: int) -> FileData:
+    # O_NONBLOCK: opening a FIFO must not hang a worker thread forever.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        chunks: list[bytes] = []
+        remaining = limit
+        while remaining > 0:
+            chunk = os.read(fd, min(remaining, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return FileData(b"".join(chunks), info.st_size)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.ftruncate(fd, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _list_dir(path: str) -> list[DirEntry]:
+    entries: list[DirEntry] = []
+    with os.scandir(path) as scan:
+        for entry in scan:
+            kind: Literal["file", "dir", "symlink", "other"]
+            size = 0
+            if entry.is_symlink():
+                kind = "symlink"
+            elif entry.is_dir(follow_symlinks=False):
+                kind = "dir"
+            elif entry.is_file(follow_symlinks=False):
+                kind = "file"
+                with contextlib.suppress(OSError):
+                    size = entry.stat(follow_symlinks=False).st_size
+            else:
+                kind = "other"
+            entries.append(DirEntry(entry.name, kind, size))
+    entries.sort(key=lambda e: e.name)
+    return entries
+
+
+def _make_dir(path: str) -> None:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+class LocalHost(Host):
+    """This machine. Runs at most ``max_concurrent_calls`` commands at once."""
+
+    def __init__(self, config: LocalPoolConfig) -> None:
+        self.name = "local"
+        self.config = config
+        self._slots = anyio.Semaphore(config.max_concurrent_calls)
+        self._active = 0
+        self._queued = 0
+        self._workspaces: set[str] = set()
+        # Calls in flight, so that aclose() can end them (their processes die with them).
+        self._calls: set[anyio.CancelScope] = set()
+        self._calls_done: anyio.Event | None = None
+        self._scratch: str | None = None
+        self._started = False
+        self._closing = False
+        self._closed = anyio.Event()
+
+    def __repr__(self) -> str:
+        return (
+            f"<LocalHost [calls: {self._active} active, {self._queued} queued"
+            f" | workspaces: {len(self._workspaces)}]{' closed' if self._closing else ''}>"
+        )
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def is_closed(self) -> bool:
+        return self._closing
+
+    def is_up(self) -> bool:
+        return not self._closing
+
+    def load(self) -> int:
+        return self._active + self._queued
+
+    def statistics(self) -> LocalStatistics:
+        return LocalStatistics(
+            calls_active=self._active,
+            calls_queued=self._queued,
+            max_concurrent_calls=self.config.max_concurrent_calls,
+            workspaces=len(self._workspaces),
+            closed=self._closing,
+        )
+
+    async def start(self) -> None:
+        if self._closing:
+            raise PoolClosed("the local backend is closed")
+        if self._started:
+            return
+        root = self.config.workspace_root
+        try:
+            if root is not None:
+                await anyio.to_thread.run_sync(_make_dir, root)
+            if self.config.default_cwd is None:
+                self._scratch = await anyio.to_thread.run_sync(
+                    self._mkdtemp, "agent-backend-scratch-"
+                )
+            elif not await anyio.Path(self.config.default_cwd).is_dir():
+                raise BackendUnavailable(
+                    f"default_cwd {self.config.default_cwd!r} is not a directory", backend="local"
+                )
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"cannot prepare the local workspace root: {exc}", backend="local", host=self.name
+            ) from exc
+        self._started = True
+
+    def _mkdtemp(self, prefix: str) -> str:
+        return os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=self.config.workspace_root))
+
+    async def aclose(self) -> None:
+        """End every call in flight, then remove every workspace left; idempotent."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            with anyio.CancelScope(shield=True):
+                if self._calls:
+                    self._calls_done = anyio.Event()
+                    for scope in self._calls:
+                        scope.cancel()
+                    # Each call ends its own process group within kill_grace (+ drain).
+                    with anyio.move_on_after(self.config.kill_grace + _DRAIN_SECONDS + 5):
+                        await self._calls_done.wait()
+                leftovers = sorted(self._workspaces)
+                if self._scratch is not None:
+                    leftovers.append(self._scratch)
+                self._workspaces.clear()
+                self._scratch = None
+                for path in leftovers:
+                    try:
+                        await anyio.to_thread.run_sync(_rmtree, path)
+                    except OSError as exc:
+                        logger.warning("could not remove %s at close: %s", path, exc)
+        finally:
+            self._closed.set()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise PoolClosed("the local backend is closed")
+        if not self._started:
+            raise PoolError(
+                "the local backend is not started: use `async with` (or await start()) first"
+            )
+
+    # -- commands ---------------------------------------------------------------------------------
+
+    def _environment(self, extra: Mapping[str, str]) -> dict[str, str]:
+        env = {k: os.environ[k] for k in self.config.env_passthrough if k in os.environ}
+        env.update(self.config.extra_env)
+        env.update(extra)
+        return env
+
+    async def run(self, command: Command) -> CommandResult:
+        self._check_open()
+        started = time.monotonic()
+        with anyio.CancelScope() as call_scope:
+            self._calls.add(call_scope)
+            try:
+                # The timeout covers waiting for a slot too: a call never takes
+                # much longer than its timeout, however busy the host is.
+                with anyio.move_on_after(command.timeout) as queue:
+                    self._queued += 1
+                    try:
+                        await self._slots.acquire()
+                    finally:
+                        self._queued -= 1
+                if queue.cancelled_caught:
+                    return _busy_result(self.name, time.monotonic() - started)
+                try:
+                    self._active += 1
+                    return await self._execute(command, started)
+                finally:
+                    self._active -= 1
+                    self._slots.release()
+            finally:
+                self._calls.discard(call_scope)
+                if not self._calls and self._calls_done is not None:
+                    self._calls_done.set()
+        raise PoolClosed("the local backend was closed while the command ran")
+
+    def _argv(self, command: Command) -> list[str]:
+        if command.argv is not None:
+            return list(command.argv)
+        assert command.shell is not None
+        return [self.config.shell, "-c", command.shell]
+
+    async def _execute(self, command: Command, started: float) -> CommandResult:
+        argv = self._argv(command)
+        cwd = command.cwd or self.config.default_cwd or self._scratch
+        try:
+            # Shielded: a cancellation landing mid-spawn would lose a process
+            # that is already running (and its pipes). It lands just below
+            # instead, where the group is ended on the way out.
+            with anyio.CancelScope(shield=True):
+                process = await anyio.open_process(
+                    argv,
+                    stdin=subprocess.PIPE if command.stdin is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=self._environment(command.env),
+                    start_new_session=True,
+                )
+        except (OSError, ValueError) as exc:
+            return self._spawn_failure(exc, argv[0], cwd, started)
+        stdout = OutputBuffer(command.output_limit)
+        stderr = OutputBuffer(command.output_limit)
+        timed_out = False
+        try:
+            async with anyio.create_task_group() as pumps:
+                stdout_done = anyio.Event()
+                stderr_done = anyio.Event()
+
+                async def read(
+                    stream: anyio.abc.ByteReceiveStream | None,
+                    buffer: OutputBuffer,
+                    done: anyio.Event,
+                ) -> None:
+                    try:
+                        await _pump(stream, buffer)
+                    finally:
+                        done.set()
+
+                pumps.start_soon(read, process.stdout, stdout, stdout_done)
+                pumps.start_soon(read, process.stderr, stderr, stderr_done)
+                if command.stdin is not None:
+                    pumps.start_soon(_feed, process.stdin, command.stdin)
+                try:
+                    with anyio.move_on_after(
+                        command.timeout - (time.monotonic() - started)
+                    ) as limit:
+                        await process.wait()
+                    timed_out = limit.cancelled_caught
+                finally:
+                    # On every way out (exit, timeout, cancellation): end the group,
+                    # then let the pipes drain, bounded, and stop reading.
+                    with anyio.CancelScope(shield=True):
+                        await self._end_group(process)
+                        with anyio.move_on_after(_DRAIN_SECONDS):
+                            await stdout_done.wait()
+                            await stderr_done.wait()
+                    pumps.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await process.aclose()
+        assert process.returncode is not None
+        exit_status, signal_name = _exit_of(process.returncode)
+        return CommandResult(
+            exit_status=exit_status,
+            signal=signal_name,
+            stdout=stdout.result(),
+            stderr=stderr.result(),
+            duration=time.monotonic() - started,
+            timed_out=timed_out,
+            host=self.name,
+        )
+
+    async def _end_group(self, process: anyio.abc.Process) -> None:
+        """End everything left in the call's process group: SIGTERM, grace, SIGKILL."""
+        pgid = process.pid
+        if not await _group_alive(pgid):
+            return
+        _signal_group(pgid, signal.SIGTERM)
+        with anyio.move_on_after(self.config.kill_grace):
+            delay = 0.005
+            while await _group_alive(pgid):
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 0.05)
+            return
+        _signal_group(pgid, signal.SIGKILL)
+        # SIGKILL cannot be caught; wait (bounded) only so the leader's status is known.
+        with anyio.move_on_after(1.0):
+            await process.wait()
+
+    def _spawn_failure(
+        self, exc: OSError | ValueError, program: str, cwd: str | None, started: float
+    ) -> CommandResult:
+        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
+            raise BackendUnavailable(
+                f"cannot start a process: {exc}", backend="local", host=self.name
+            ) from exc
+        if isinstance(exc, OSError) and exc.filename is not None and exc.filename == cwd:
+            message, status = f"cannot run: working directory {cwd}: {exc.strerror}", 127
+        elif isinstance(exc, FileNotFoundError):
+            message, status = f"{program}: command not found", 127
+        elif isinstance(exc, OSError):
+            message, status = f"{program}: {exc.strerror or exc}", 126
+        else:
+            message, status = f"cannot run {program}: {exc}", 126
+        data = message.encode()
+        return CommandResult(
+            exit_status=status,
+            stderr=Output(data, len(data), False),
+            duration=time.monotonic() - started,
+            host=self.name,
+        )
+
+    # -- files ------------------------------------------------------------------------------------
+
+    async def make_workspace(self) -> str:
+        self._check_open()
+        try:
+            # Shielded so that a cancellation cannot lose a directory just made:
+            # once tracked, it is removed by remove_workspace or at close.
+            with anyio.CancelScope(shield=True):
+                path = await anyio.to_thread.run_sync(self._mkdtemp, "agent-backend-ws-")
+                if self._closing:  # closed while the thread ran: do not leak it
+                    await anyio.to_thread.run_sync(_rmtree, path)
+                    raise PoolClosed("the local backend is closed")
+                self._workspaces.add(path)
+        except OSError as exc:
+            raise BackendUnavailable(
+                f"cannot create a workspace: {exc}", backend="local", host=self.name
+            ) from exc
+        return path
+
+    async def remove_workspace(self, path: str) -> None:
+        """Remove a workspace this host made; any other path is left alone (never removed)."""
+        if path not in self._workspaces:
+            return
+        self._workspaces.discard(path)
+        await anyio.to_thread.run_sync(_rmtree, path)
+
+    async def realpath(self, path: str) -> str:
+        self._check_open()
+        return await anyio.to_thread.run_sync(os.path.realpath, path, abandon_on_cancel=True)
+
+    async def read_file(self, path: str, *, limit: int) -> FileData:
+        self._check_open()
+        return await anyio.to_thread.run_sync(_read_file, path, limit, abandon_on_cancel=True)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        self._check_open()
+        await anyio.to_thread.run_sync(_write_file, path, data, abandon_on_cancel=True)
+
+    async def list_dir(self, path: str) -> list[DirEntry]:
+        self._check_open()
+        return await anyio.to_thread.run_sync(_list_dir, path, abandon_on_cancel=True)
+
+    def workspaces(self) -> frozenset[str]:
+        """The workspaces made and not yet removed."""
+        return frozenset(self._workspaces)
+
+
+class LocalBackend(Backend):
+    """The local pool: one :class:`LocalHost`."""
+
+    kind: ClassVar[str] = "local"
+
+    def __init__(self, config: LocalPoolConfig | None = None) -> None:
+        self.config = config or LocalPoolConfig()
+        self.host = LocalHost(self.config)
+
+    @classmethod
+    def from_config(cls, config: LocalPoolConfig) -> LocalBackend:
+        return cls(config)
+
+    def __repr__(self) -> str:
+        stats = self.host.statistics()
+        state = " closed" if stats.closed else ""
+        return (
+            f"<LocalBackend [calls: {stats.calls_active} active, {stats.calls_queued} queued"
+            f" | workspaces: {stats.workspaces}]{state}>"
+        )
+
+    @property
+    def hosts(self) -> Sequence[Host]:
+        return (self.host,)
+
+    async def start(self) -> None:
+        await self.host.start()
+
+    async def aclose(self) -> None:
+        await self.host.aclose()
+
+    def is_closed(self) -> bool:
+        return self.host.is_closed()
+
+    def statistics(self) -> LocalStatistics:
+        return self.host.statistics()

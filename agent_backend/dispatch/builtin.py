@@ -1,0 +1,372 @@
+"""The built-in tools: ``exec``, ``read_file``, ``write_file`` and ``list_dir``.
+
+Their definitions live here, in :data:`BUILTIN_DEFINITIONS`, so an installed
+package has them without data files; ``schemas/tools/*.json`` hold the same
+definitions for people and other tools to read, and a test keeps the two
+identical (:func:`write_builtin_schemas` rewrites the files).
+
+File tools are confined to the session workspace: a path is joined to the
+workspace, resolved with ``host.realpath`` (every symlink followed) and
+refused with :class:`~agent_backend.errors.PathOutsideWorkspace` unless the
+result is the workspace or inside it. So ``..`` that climbs out, absolute
+paths elsewhere and symlinks pointing out are all refused, while
+``a/../b`` and the workspace's own absolute path are fine. This keeps the
+file tools from wandering; it is not a sandbox (``exec`` runs as the host's
+user). Outside a session there is no workspace, and file tools answer with a
+``NoWorkspace`` error result.
+
+This module must never touch a path it has not checked, and never return
+more than the output bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import posixpath
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from agent_backend.dispatch.backend import Command, DirEntry, Host
+from agent_backend.dispatch.output import head_tail
+from agent_backend.dispatch.result import ToolResult, command_result
+from agent_backend.errors import AgentBackendError, PathOutsideWorkspace, ToolArgumentError, clip
+from agent_backend.tools import Tool, tool_from_definition
+
+__all__ = [
+    "BUILTIN_DEFINITIONS",
+    "BuiltinContext",
+    "builtin_tools",
+    "resolve_in_workspace",
+    "run_builtin",
+    "write_builtin_schemas",
+]
+
+_ENV_NAME = "^[A-Za-z_][A-Za-z0-9_]*$"
+
+#: The built-in tool definitions, exactly as in ``schemas/tools/<name>.json``.
+BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
+    "exec": {
+        "name": "exec",
+        "description": (
+            "Run a command in the workspace directory and return its output. Give either "
+            "`command`, a command line for the shell (/bin/sh: pipes, redirections, && and "
+            "globs work), or `argv`, a program and its arguments run without a shell (no "
+            "quoting needed). The result is stdout, then stderr after a [stderr] line; long "
+            "output keeps its beginning and end. A non-zero exit status or a timeout is "
+            "reported as an error, together with the output."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": (
+                        'A command line for the shell, e.g. "grep -rn TODO src | head". '
+                        "Give this or argv, not both."
+                    ),
+                },
+                "argv": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "description": (
+                        'A program and its arguments, run without a shell, e.g. ["python3", '
+                        '"-c", "print(1 + 1)"]. Give this or command, not both.'
+                    ),
+                },
+                "timeout": {
+                    "type": "number",
+                    "exclusiveMinimum": 0,
+                    "description": (
+                        "Seconds before the command and everything it started are killed. "
+                        "Default: the tool's usual timeout; there is an upper limit."
+                    ),
+                },
+                "stdin": {
+                    "type": "string",
+                    "description": "Text for the command's standard input. Default: no input.",
+                },
+                "env": {
+                    "type": "object",
+                    "propertyNames": {"pattern": _ENV_NAME},
+                    "additionalProperties": {"type": "string"},
+                    "description": 'Extra environment variables, e.g. {"DEBUG": "1"}.',
+                },
+            },
+            "additionalProperties": False,
+        },
+        "x-agent-backend": {"builtin": "exec"},
+    },
+    "read_file": {
+        "name": "read_file",
+        "description": (
+            "Read a text file in the workspace. Long files are returned in parts: the result "
+            "says which bytes it shows and the offset to read next."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": 'The file, relative to the workspace, e.g. "src/main.py".',
+                },
+                "offset": {
+                    "type": "integer",
+                    "minimum": 0,
+                    "default": 0,
+                    "description": "The byte to start at. Default: 0, the beginning.",
+                },
+                "limit": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "description": (
+                        "The most bytes to return. Default and upper limit: the output limit."
+                    ),
+                },
+            },
+            "required": ["path"],
+            "additionalProperties": False,
+        },
+        "x-agent-backend": {"builtin": "read_file"},
+    },
+    "write_file": {
+        "name": "write_file",
+        "description": (
+            "Create or replace a file in the workspace with the given text. Missing parent "
+            "directories are created."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {
+                    "type": "string",
+                    "minLength": 1,
+                    "description": 'The file, relative to the workspace, e.g. "notes/plan.md".',
+                },
+                "content": {
+                    "type": "string",
+                    "description": "The file's new content, in full.",
+                },
+            },
+            "required": ["path", "content"],
+            "additionalProperties": False,
+        },
+        "x-agent-backend": {"builtin": "write_file"},
+    },
+    "list_dir": {
+        "name": "list_dir",
+        "description": (
+            "List a directory in the workspace, one entry per line, sorted by name: "
+            "directories end with '/', symlinks with '@', files show their size in bytes."
+        ),
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "path": {
+                    "type": "string",
+                    "minLength": 1,
+                    "default": ".",
+                    "description": 'The directory, relative to the workspace. Default: ".".',
+                },
+            },
+            "additionalProperties": False,
+        },
+        "x-agent-backend": {"builtin": "list_dir"},
+    },
+}
+
+
+def builtin_tools() -> list[Tool]:
+    """Fresh :class:`Tool` objects for the four built-in tools."""
+    return [
+        tool_from_definition(copy.deepcopy(definition), source=f"builtin:{name}")
+        for name, definition in BUILTIN_DEFINITIONS.items()
+    ]
+
+
+def builtin_schema_text(name: str) -> str:
+    """The content ``schemas/tools/<name>.json`` must have."""
+    return orjson.dumps(BUILTIN_DEFINITIONS[name], option=orjson.OPT_INDENT_2).decode() + "\n"
+
+
+def write_builtin_schemas(directory: str | os.PathLike[str]) -> list[Path]:
+    """Write ``<name>.json`` for every built-in tool into ``directory``; the paths written."""
+    written = []
+    for name in BUILTIN_DEFINITIONS:
+        path = Path(directory) / f"{name}.json"
+        path.write_text(builtin_schema_text(name), encoding="utf-8")
+        written.append(path)
+    return written
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BuiltinContext:
+    """Where and how a built-in runs: decided by the dispatcher for one call."""
+
+    call_id: str
+    tool: str
+    host: Host
+    workspace: str | None
+    """The session workspace's real path; None outside a session."""
+    timeout: float
+    """Seconds the call may take (for ``exec``, already including its own ``timeout``)."""
+    output_limit: int
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _failure(ctx: BuiltinContext, error: str, error_type: str) -> ToolResult:
+    return ToolResult.failure(
+        call_id=ctx.call_id, tool=ctx.tool, error=error, error_type=error_type, host=ctx.host.name
+    )
+
+
+def _success(ctx: BuiltinContext, output: str, *, truncated: bool, size: int) -> ToolResult:
+    return ToolResult(
+        call_id=ctx.call_id,
+        tool=ctx.tool,
+        ok=True,
+        output=output,
+        truncated=truncated,
+        output_bytes=size,
+        host=ctx.host.name,
+    )
+
+
+async def resolve_in_workspace(host: Host, workspace: str, path: str) -> str:
+    """The real path ``path`` names inside ``workspace``, or :class:`PathOutsideWorkspace`.
+
+    ``workspace`` must itself be a real path. Relative paths are taken from
+    the workspace; every symlink is resolved before the containment check.
+    """
+    if "\x00" in path:
+        raise ToolArgumentError("a path must not contain NUL characters")
+    resolved = await host.realpath(posixpath.join(workspace, path))
+    root = workspace.rstrip("/") or "/"
+    if resolved != root and not resolved.startswith(root.rstrip("/") + "/"):
+        raise PathOutsideWorkspace(path)
+    return resolved
+
+
+async def run_builtin(name: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+    """Run built-in ``name`` with prepared ``arguments``; model-caused problems are results.
+
+    Raises only what the host raises for infrastructure failures.
+    """
+    if name == "exec":
+        return await _exec(arguments, ctx)
+    if ctx.workspace is None:
+        return _failure(
+            ctx,
+            f"{name} works only inside a session workspace, and this call runs outside any "
+            "session; use the exec tool to work with files here",
+            "NoWorkspace",
+        )
+    try:
+        path = await resolve_in_workspace(ctx.host, ctx.workspace, arguments.get("path", "."))
+        if name == "read_file":
+            return await _read_file(path, arguments, ctx)
+        if name == "write_file":
+            return await _write_file(path, arguments, ctx)
+        if name == "list_dir":
+            return await _list_dir(path, arguments, ctx)
+    except (PathOutsideWorkspace, ToolArgumentError) as exc:
+        return ToolResult.from_error(exc, call_id=ctx.call_id, tool=ctx.tool, host=ctx.host.name)
+    except AgentBackendError:
+        raise  # infrastructure (ToolTimeout is an OSError too): not the model's doing
+    except OSError as exc:
+        shown = arguments.get("path", ".")
+        reason = exc.strerror or str(exc)
+        return _failure(ctx, f"{clip(shown, 200)}: {reason}", "FileError")
+    raise ValueError(f"no built-in tool {name!r}")
+
+
+async def _exec(arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+    command_line = arguments.get("command")
+    argv = arguments.get("argv")
+    if (command_line is None) == (argv is None):
+        error = ToolArgumentError(
+            "give exactly one of 'command' (a shell command line) and 'argv' (a list)",
+            tool=ctx.tool,
+        )
+        return ToolResult.from_error(error, call_id=ctx.call_id, tool=ctx.tool)
+    stdin = arguments.get("stdin")
+    command = Command(
+        argv=tuple(argv) if argv is not None else None,
+        shell=command_line,
+        cwd=ctx.workspace,
+        env={**ctx.env, **arguments.get("env", {})},
+        stdin=stdin.encode() if stdin is not None else None,
+        timeout=ctx.timeout,
+        output_limit=ctx.output_limit,
+    )
+    result = await ctx.host.run(command)
+    return command_result(
+        result,
+        call_id=ctx.call_id,
+        tool=ctx.tool,
+        timeout=ctx.timeout,
+        limit=ctx.output_limit,
+        captured_limit=ctx.output_limit,
+    )
+
+
+async def _read_file(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+    offset: int = arguments.get("offset", 0)
+    limit = min(arguments.get("limit", ctx.output_limit), ctx.output_limit)
+    data = await ctx.host.read_file(path, limit=offset + limit)
+    shown = data.data[offset : offset + limit]
+    end = offset + len(shown)
+    text = shown.decode("utf-8", errors="replace")
+    partial = offset > 0 or end < data.size
+    if end < data.size:
+        text += (
+            f"\n[showing bytes {offset}-{end} of {data.size}; "
+            f"read_file with offset={end} to read on]"
+        )
+    elif offset > 0 and not shown:
+        text = f"[the file has {data.size} bytes; offset {offset} is past its end]"
+    return _success(ctx, text, truncated=partial, size=data.size)
+
+
+async def _write_file(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+    content: str = arguments["content"]
+    data = content.encode()
+    try:
+        await ctx.host.write_file(path, data)
+    except FileNotFoundError:
+        # The parent is missing. It is inside the workspace (the path was
+        # resolved and checked), so create it, then write again.
+        parent = posixpath.dirname(path)
+        made = await ctx.host.run(
+            Command(argv=("mkdir", "-p", "--", parent), timeout=ctx.timeout, output_limit=1024)
+        )
+        if made.exit_status != 0:
+            reason = made.stderr.text().strip() or "cannot create the parent directory"
+            return _failure(ctx, clip(reason, 300), "FileError")
+        await ctx.host.write_file(path, data)
+    shown = arguments["path"]
+    return _success(ctx, f"wrote {len(data)} bytes to {shown}", truncated=False, size=len(data))
+
+
+def _render_entry(entry: DirEntry) -> str:
+    if entry.kind == "dir":
+        return f"{entry.name}/"
+    if entry.kind == "symlink":
+        return f"{entry.name}@"
+    if entry.kind == "file":
+        return f"{entry.name}  {entry.size}"
+    return f"{entry.name}?"
+
+
+async def _list_dir(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+    entries = await ctx.host.list_dir(path)
+    text = "\n".join(_render_entry(entry) for entry in entries) if entries else "(empty)"
+    raw = text.encode()
+    bounded = head_tail(raw, ctx.output_limit)
+    return _success(ctx, bounded.text(), truncated=bounded.truncated, size=len(raw))

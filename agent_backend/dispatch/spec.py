@@ -1,0 +1,182 @@
+"""How a tool runs: the ``x-agent-backend`` block of a tool file, read into :class:`ExecutionSpec`.
+
+Three execution kinds, decided per tool (docs/dispatch.md):
+
+* **function**: the :class:`~agent_backend.tools.Tool` has a Python
+  ``function``; it runs in this process.
+* **builtin**: ``{"builtin": "exec" | "read_file" | "write_file" | "list_dir"}``;
+  dispatch implements it on the chosen host (:mod:`agent_backend.dispatch.builtin`).
+* **command**: ``{"command": ["python3", "/opt/tools/search.py"]}``; that argv
+  runs on the host, in the session workspace, with the prepared arguments as
+  one JSON object on standard input (``"arguments": "stdin-json"``, the only
+  mode). Its stdout and stderr are the result; exit 0 is success.
+
+Keys common to every kind: ``timeout`` (seconds), ``output_limit`` (bytes),
+``env`` (extra environment, command and builtin ``exec`` only) and
+``backend`` (the pool kind the tool must run on).
+
+Also home to :func:`config_error`, which turns a pydantic ``ValidationError``
+into the one :class:`~agent_backend.errors.ConfigError` (file, dotted key,
+what was expected) that every config reader here raises. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import pydantic
+
+from agent_backend.errors import ConfigError, clip
+from agent_backend.tools import Tool
+
+__all__ = [
+    "BUILTIN_NAMES",
+    "META_KEY",
+    "ExecutionKind",
+    "ExecutionSpec",
+    "config_error",
+    "execution_kind",
+    "execution_spec",
+]
+
+#: The key of a tool definition (``Tool.meta``) that says how the tool runs.
+META_KEY = "x-agent-backend"
+
+BuiltinName = Literal["exec", "read_file", "write_file", "list_dir"]
+BUILTIN_NAMES: tuple[BuiltinName, ...] = ("exec", "read_file", "write_file", "list_dir")
+
+ExecutionKind = Literal["function", "builtin", "command"]
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class ExecutionSpec(pydantic.BaseModel):
+    """The ``x-agent-backend`` block of a tool definition. Every key is optional."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    builtin: BuiltinName | None = None
+    """Run one of dispatch's built-in tools."""
+    command: tuple[Annotated[str, pydantic.StringConstraints(min_length=1)], ...] | None = (
+        pydantic.Field(default=None, min_length=1)
+    )
+    """Run this argv on the host (no shell), in the session workspace when there is one."""
+    arguments: Literal["stdin-json"] = "stdin-json"
+    """How a command receives its arguments: one JSON object on standard input."""
+    env: dict[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], str] = pydantic.Field(
+        default_factory=dict
+    )
+    """Extra environment variables for the command."""
+    timeout: float | None = pydantic.Field(default=None, gt=0)
+    """Seconds a call may take before it is killed; default: the dispatcher's ``default_timeout``."""
+    output_limit: int | None = pydantic.Field(default=None, ge=64)
+    """Bytes of output kept for the model; default: the dispatcher's ``output_limit``."""
+    backend: str | None = None
+    """The pool kind (``local``, ``ssh``) this tool must run on; None: any."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_way_to_run(self) -> ExecutionSpec:
+        if self.builtin is not None and self.command is not None:
+            raise ValueError("give either 'builtin' or 'command', not both")
+        return self
+
+
+def config_error(
+    exc: pydantic.ValidationError,
+    *,
+    file: str | None,
+    prefix: str = "",
+    tags: frozenset[str] = frozenset(),
+    tag_key: str = "type",
+) -> ConfigError:
+    """One :class:`ConfigError` for a pydantic validation failure.
+
+    ``key`` is the dotted path of the first problem (``prefix`` first; a
+    leading discriminator tag in ``tags`` left out, and a bad or missing tag
+    reported at ``tag_key``), ``expected`` what pydantic says it wanted; the
+    message names the file and lists every problem.
+    """
+    problems: list[tuple[str, str]] = []
+    for error in exc.errors(include_url=False):
+        parts = [str(part) for part in error["loc"]]
+        if parts and parts[0] in tags:
+            parts = parts[1:]
+        if error.get("type") in ("union_tag_invalid", "union_tag_not_found"):
+            parts = [*parts, tag_key]
+        key = ".".join([prefix, *parts] if prefix else parts)
+        problems.append((key, _expected(error)))
+    if not problems:  # pragma: no cover - pydantic always reports at least one
+        problems.append((prefix, str(exc)))
+    where = file or "<config>"
+    lines = [f"{where}: {key or '(top level)'}: {expected}" for key, expected in problems[:10]]
+    if len(problems) > 10:
+        lines.append(f"... and {len(problems) - 10} more")
+    key, expected = problems[0]
+    return ConfigError("\n".join(lines), file=file, key=key, expected=expected)
+
+
+def _expected(error: Any) -> str:
+    kind = error.get("type", "")
+    if kind == "extra_forbidden":
+        return "no such key (unknown keys are refused)"
+    if kind in ("missing", "union_tag_not_found"):
+        return "a value (this key is required)"
+    if kind == "union_tag_invalid":
+        context = error.get("ctx") or {}
+        got = clip(repr(context.get("tag", "?")), 60)
+        return f"one of {context.get('expected_tags', '?')} (got {got})"
+    message = str(error.get("msg", "invalid"))
+    for prefix in ("Input should be ", "Value error, "):
+        message = message.removeprefix(prefix)
+    got = error.get("input")
+    if isinstance(got, (str, int, float, bool)):
+        return f"{message} (got {clip(repr(got), 60)})"
+    return message
+
+
+def execution_spec(tool: Tool) -> ExecutionSpec:
+    """The :class:`ExecutionSpec` of ``tool``; :class:`ConfigError` naming its file if malformed."""
+    raw = tool.meta.get(META_KEY)
+    if raw is None:
+        return ExecutionSpec()
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{tool.source or tool.name}: {META_KEY}: expected an object",
+            file=tool.source,
+            key=META_KEY,
+            expected="an object",
+        )
+    try:
+        return ExecutionSpec.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise config_error(
+            exc, file=tool.source or f"tool {tool.name!r}", prefix=META_KEY
+        ) from None
+
+
+def execution_kind(tool: Tool, spec: ExecutionSpec) -> ExecutionKind:
+    """How ``tool`` runs; :class:`ConfigError` when it has no way to run, or two."""
+    ways: list[ExecutionKind] = []
+    if tool.function is not None:
+        ways.append("function")
+    if spec.builtin is not None:
+        ways.append("builtin")
+    if spec.command is not None:
+        ways.append("command")
+    where = tool.source or f"tool {tool.name!r}"
+    if not ways:
+        raise ConfigError(
+            f"{where}: tool {tool.name!r} has no way to run: give it a Python function, "
+            f"or {META_KEY}.command (an argv) or {META_KEY}.builtin",
+            file=tool.source,
+            key=META_KEY,
+            expected="'command' or 'builtin' (or a Python function)",
+        )
+    if len(ways) > 1:
+        raise ConfigError(
+            f"{where}: tool {tool.name!r} has more than one way to run ({', '.join(ways)})",
+            file=tool.source,
+            key=META_KEY,
+            expected="exactly one of a Python function, 'command' and 'builtin'",
+        )
+    return ways[0]

@@ -1,0 +1,69 @@
+"""Helpers for tests with real processes: is a pid still running, how much memory do we use."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio.to_thread
+import pytest
+
+import agent_backend.backends.local as local_backend
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs. A zombie counts as dead (it runs nothing, holds no pipe):
+    this machine's init does not reap orphans, so killed grandchildren stay zombies."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        return False
+    state = raw[raw.rfind(b")") + 2 :].split()[0]
+    return state not in (b"Z", b"X")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def entries(path: str | os.PathLike[str]) -> list[str]:
+    return sorted(os.listdir(path))
+
+
+def _wait_dead_sync(pid: int, within: float) -> bool:
+    deadline = time.monotonic() + within
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+async def wait_dead(pid: int, within: float = 3.0) -> bool:
+    """True once ``pid`` no longer runs; False if it still does after ``within`` seconds."""
+    return await anyio.to_thread.run_sync(_wait_dead_sync, pid, within)
+
+
+def slow_local_disk(monkeypatch: pytest.MonkeyPatch, host: object, seconds: float) -> None:
+    """Make every blocking file operation of the local backend take ``seconds`` longer.
+
+    Run on the event loop, each would freeze it for that long; run in worker
+    threads (as they must be), many proceed at once and the loop keeps going.
+    """
+
+    def slowed(function: Any) -> Any:
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+
+        return slow
+
+    for name in ("_rmtree", "_read_file", "_write_file", "_list_dir"):
+        monkeypatch.setattr(local_backend, name, slowed(getattr(local_backend, name)))
+    monkeypatch.setattr(host, "_mkdtemp", slowed(host._mkdtemp))  # type: ignore[attr-defined]

@@ -1,0 +1,409 @@
+"""LocalBackend with real subprocesses: process groups die with the call, output is bounded,
+env and cwd are controlled, file operations never block, aclose leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from proc_helpers import entries, rss_bytes, slow_local_disk, wait_dead
+
+from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
+from agent_backend.dispatch import Command
+from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def host(tmp_path: Path) -> AsyncIterator[LocalHost]:
+    config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
+    async with LocalBackend(config) as backend:
+        yield backend.host
+
+
+def sh(line: str, timeout: float = 10.0, **kwargs: object) -> Command:
+    return Command(shell=line, timeout=timeout, **kwargs)  # type: ignore[arg-type]
+
+
+# -- running commands ---------------------------------------------------------------------------
+
+
+async def test_exit_status_stdout_and_stderr_are_kept_apart(host: LocalHost) -> None:
+    result = await host.run(sh("echo out; echo err >&2; exit 3"))
+    assert result.exit_status == 3
+    assert result.signal is None
+    assert result.stdout.data == b"out\n"
+    assert result.stderr.data == b"err\n"
+    assert not result.timed_out
+    assert result.host == "local"
+    assert 0 < result.duration < 5
+
+
+async def test_argv_runs_without_a_shell(host: LocalHost) -> None:
+    tricky = "a b; echo INJECTED $(id) `id` > x"
+    result = await host.run(Command(argv=("printf", "%s\\n", tricky), timeout=5))
+    assert result.stdout.text() == tricky + "\n"
+
+
+async def test_stdin_is_written_and_closed(host: LocalHost) -> None:
+    data = os.urandom(300_000)  # more than a pipe buffer: written while the command reads
+    result = await host.run(Command(argv=("sha256sum",), stdin=data, timeout=5))
+    import hashlib
+
+    assert result.stdout.text().split()[0] == hashlib.sha256(data).hexdigest()
+
+
+async def test_no_stdin_means_empty_input(host: LocalHost) -> None:
+    result = await host.run(sh("cat; echo done", timeout=5))
+    assert result.stdout.text() == "done\n"
+
+
+async def test_a_command_that_ignores_its_input_does_not_hang(host: LocalHost) -> None:
+    result = await host.run(Command(argv=("true",), stdin=b"x" * 5_000_000, timeout=5))
+    assert result.exit_status == 0
+
+
+async def test_environment_is_only_what_the_config_lets_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
+    monkeypatch.setenv("PASS_ME", "yes")
+    config = LocalPoolConfig(
+        workspace_root=str(tmp_path),
+        env_passthrough=("PATH", "PASS_ME"),
+        extra_env={"FROM_CONFIG": "c", "OVERRIDDEN": "config"},
+    )
+    async with LocalBackend(config) as backend:
+        result = await backend.host.run(
+            Command(argv=("env",), env={"OVERRIDDEN": "call", "FROM_CALL": "x"}, timeout=5)
+        )
+    env = dict(line.split("=", 1) for line in result.stdout.text().splitlines())
+    env.pop("PWD", None)
+    assert env == {
+        "PATH": os.environ["PATH"],
+        "PASS_ME": "yes",
+        "FROM_CONFIG": "c",
+        "OVERRIDDEN": "call",
+        "FROM_CALL": "x",
+    }
+
+
+async def test_cwd_is_the_given_directory_or_a_private_scratch(host: LocalHost) -> None:
+    workspace = await host.make_workspace()
+    pinned = await host.run(sh("pwd", cwd=workspace))
+    assert pinned.stdout.text().strip() == workspace
+    scratch = (await host.run(sh("pwd"))).stdout.text().strip()
+    assert scratch != os.getcwd()
+    assert os.path.basename(scratch).startswith("agent-backend-scratch-")
+
+
+async def test_missing_program_and_missing_cwd_are_results(host: LocalHost) -> None:
+    missing = await host.run(Command(argv=("no-such-program-xyz",), timeout=5))
+    assert missing.exit_status == 127
+    assert b"command not found" in missing.stderr.data
+    gone = await host.run(sh("pwd", cwd="/nonexistent/dir"))
+    assert gone.exit_status == 127
+    assert b"/nonexistent/dir" in gone.stderr.data
+    nul = await host.run(Command(argv=("echo", "a\x00b"), timeout=5))
+    assert nul.exit_status == 126
+
+
+async def test_killed_by_a_signal_reports_it(host: LocalHost) -> None:
+    result = await host.run(sh("kill -9 $$"))
+    assert result.exit_status is None
+    assert result.signal == "SIGKILL"
+    assert not result.timed_out
+
+
+# -- process groups: nothing outlives its call (timeout, cancellation, normal end) --------------
+
+
+async def test_timeout_kills_the_whole_process_group(host: LocalHost) -> None:
+    started = time.monotonic()
+    result = await host.run(sh("sleep 60 & echo $!; sleep 60", timeout=0.5))
+    assert result.timed_out
+    assert result.exit_status is None
+    assert result.signal == "SIGTERM"
+    assert time.monotonic() - started < 3
+    grandchild = int(result.stdout.text())
+    assert await wait_dead(grandchild, within=1.0)
+
+
+async def test_a_group_that_ignores_sigterm_gets_sigkill(host: LocalHost) -> None:
+    line = "trap '' TERM; (trap '' TERM; sleep 60) & echo $!; sleep 60"
+    started = time.monotonic()
+    result = await host.run(sh(line, timeout=0.3))
+    elapsed = time.monotonic() - started
+    assert result.timed_out
+    assert 0.3 + 0.5 <= elapsed < 3  # timeout + kill_grace, then SIGKILL
+    assert await wait_dead(int(result.stdout.text()), within=1.0)
+
+
+async def test_cancellation_kills_the_process_group(host: LocalHost, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    with anyio.move_on_after(0.5) as scope:
+        await host.run(sh(f"sleep 60 & echo $! > {pid_file}; sleep 60", timeout=30))
+    assert scope.cancelled_caught
+    assert await wait_dead(int(pid_file.read_text()), within=1.0)
+    assert host.load() == 0
+
+
+async def test_cancellation_at_any_moment_leaks_no_process(host: LocalHost, tmp_path: Path) -> None:
+    # Cut at every stage: queueing, spawning, running. Nothing may survive,
+    # and no pipe may be left open (-W error turns an unclosed transport into a failure).
+    delays = [0, 0.0002, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.02]
+    for index, delay in enumerate(delays):
+        with anyio.move_on_after(delay):
+            await host.run(sh(f"echo $$ > {tmp_path}/{index}; sleep 5 & sleep 5"))
+    for index in range(len(delays)):
+        pid_file = tmp_path / str(index)
+        if pid_file.exists() and pid_file.read_text().strip():
+            assert await wait_dead(int(pid_file.read_text()), within=1.0)
+    assert host.load() == 0
+    import gc
+
+    gc.collect()
+
+
+async def test_processes_left_behind_at_a_normal_exit_are_ended(host: LocalHost) -> None:
+    started = time.monotonic()
+    result = await host.run(sh("sleep 60 >/dev/null 2>&1 & echo $!"))
+    assert result.exit_status == 0
+    assert time.monotonic() - started < 2
+    assert await wait_dead(int(result.stdout.text()), within=1.0)
+
+
+async def test_a_background_process_holding_stdout_does_not_hang_the_call(
+    host: LocalHost,
+) -> None:
+    started = time.monotonic()
+    result = await host.run(sh("sleep 60 & echo started"))
+    assert result.exit_status == 0
+    assert result.stdout.text() == "started\n"
+    assert time.monotonic() - started < 2
+
+
+async def test_an_escaped_process_holding_the_pipe_costs_a_bounded_drain(host: LocalHost) -> None:
+    # setsid leaves the call's group: it cannot be signalled with it, but the
+    # call still returns (after a bounded drain) instead of waiting for EOF.
+    result = await host.run(sh("setsid sleep 3 & echo $!", timeout=10))
+    assert result.exit_status == 0
+    escaped = int(result.stdout.text())
+    os.kill(escaped, signal.SIGKILL)
+
+
+# -- output is bounded in memory -----------------------------------------------------------------
+
+
+async def test_a_gigabyte_of_output_costs_bounded_memory(host: LocalHost) -> None:
+    peak = baseline = rss_bytes()
+
+    async def sample(stop: anyio.Event) -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, rss_bytes())
+            await anyio.sleep(0.005)
+
+    stop = anyio.Event()
+    async with anyio.create_task_group() as group:
+        group.start_soon(sample, stop)
+        result = await host.run(
+            Command(shell="yes | head -c 1000000000", timeout=50, output_limit=4096)
+        )
+        stop.set()
+    assert result.exit_status == 0
+    assert result.stdout.total_bytes == 1_000_000_000
+    assert result.stdout.truncated
+    assert len(result.stdout.data) < 4096 + 100
+    assert result.stdout.data.startswith(b"y\ny\n")
+    assert b"bytes omitted" in result.stdout.data
+    assert peak - baseline < 40 * 1024 * 1024, f"RSS grew by {(peak - baseline) >> 20} MiB"
+
+
+async def test_head_and_tail_are_kept(host: LocalHost) -> None:
+    result = await host.run(Command(shell="seq 1 100000", timeout=5, output_limit=100))
+    text = result.stdout.text()
+    assert text.startswith("1\n2\n3\n")
+    assert text.endswith("99999\n100000\n")
+    assert result.stdout.total_bytes == len("".join(f"{i}\n" for i in range(1, 100001)))
+
+
+# -- concurrency ---------------------------------------------------------------------------------
+
+
+async def test_max_concurrent_calls_queues_and_the_wait_counts_against_the_timeout(
+    tmp_path: Path,
+) -> None:
+    config = LocalPoolConfig(workspace_root=str(tmp_path), max_concurrent_calls=2)
+    async with LocalBackend(config) as backend:
+        host = backend.host
+        results = []
+
+        async def one() -> None:
+            results.append(await host.run(sh("sleep 0.4", timeout=0.6)))
+
+        started = time.monotonic()
+        async with anyio.create_task_group() as group:
+            for _ in range(4):
+                group.start_soon(one)
+            await anyio.sleep(0.1)
+            assert host.statistics().calls_active == 2
+            assert host.statistics().calls_queued == 2
+            assert host.load() == 4
+        elapsed = time.monotonic() - started
+    # Two ran at once; the other two waited 0.4 s of their 0.6 s and timed out.
+    assert sorted(r.timed_out for r in results) == [False, False, True, True]
+    assert elapsed < 1.5
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+async def test_workspaces_are_private_real_paths_and_removed(host: LocalHost) -> None:
+    workspace = await host.make_workspace()
+    path = anyio.Path(workspace)
+    assert await path.is_dir()
+    assert str(await path.resolve()) == workspace
+    assert (await path.stat()).st_mode & 0o777 == 0o700
+    await (path / "deep" / "er").mkdir(parents=True)
+    await (path / "deep" / "er" / "f").write_text("x")
+    await (path / "deep").chmod(0o500)
+    await host.remove_workspace(workspace)
+    assert not await path.exists()
+    await host.remove_workspace(workspace)  # idempotent
+    await host.remove_workspace("/etc")  # not ours: left alone
+    assert await anyio.Path("/etc").is_dir()
+
+
+async def test_file_operations(host: LocalHost) -> None:
+    workspace = await host.make_workspace()
+    await host.write_file(f"{workspace}/a.txt", b"hello world")
+    data = await host.read_file(f"{workspace}/a.txt", limit=5)
+    assert (data.data, data.size) == (b"hello", 11)
+    os.mkdir(f"{workspace}/sub")
+    os.symlink("/etc", f"{workspace}/link")
+    listed = await host.list_dir(workspace)
+    assert [(e.name, e.kind, e.size) for e in listed] == [
+        ("a.txt", "file", 11),
+        ("link", "symlink", 0),
+        ("sub", "dir", 0),
+    ]
+    assert await host.realpath(f"{workspace}/link/x") == "/etc/x"
+    with pytest.raises(IsADirectoryError):
+        await host.read_file(f"{workspace}/sub", limit=10)
+    with pytest.raises(FileNotFoundError):
+        await host.write_file(f"{workspace}/missing/x", b"")
+
+
+async def test_reading_a_fifo_does_not_hang(host: LocalHost) -> None:
+    workspace = await host.make_workspace()
+    os.mkfifo(f"{workspace}/pipe")
+    with anyio.fail_after(2):
+        with pytest.raises(OSError, match="not a regular file"):
+            await host.read_file(f"{workspace}/pipe", limit=10)
+        with pytest.raises(OSError, match=r"No such device or address|not a regular file"):
+            await host.write_file(f"{workspace}/pipe", b"x")
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    backend = LocalBackend(LocalPoolConfig(workspace_root=str(root), kill_grace=0.5))
+    await backend.start()
+    host = backend.host
+    workspaces = [await host.make_workspace() for _ in range(3)]
+    assert len(entries(root)) == 4  # three workspaces and the scratch directory
+    pid_file = tmp_path / "pid"
+    errors: list[BaseException] = []
+
+    async def long_call() -> None:
+        try:
+            await host.run(sh(f"sleep 60 & echo $! > {pid_file}; sleep 60", timeout=30))
+        except PoolClosed as exc:
+            errors.append(exc)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(long_call)
+        await anyio.sleep(0.3)
+        started = time.monotonic()
+        async with anyio.create_task_group() as closers:
+            closers.start_soon(backend.aclose)
+            closers.start_soon(backend.aclose)
+        assert time.monotonic() - started < 3
+    assert len(errors) == 1
+    assert await wait_dead(int(pid_file.read_text()), within=1.0)
+    assert entries(root) == []
+    for workspace in workspaces:
+        assert not await anyio.Path(workspace).exists()
+    await backend.aclose()
+    assert backend.is_closed()
+    assert "closed" in repr(backend)
+    with pytest.raises(PoolClosed):
+        await host.run(sh("true"))
+    with pytest.raises(PoolClosed):
+        await host.make_workspace()
+
+
+async def test_use_before_start_is_refused(tmp_path: Path) -> None:
+    backend = LocalBackend(LocalPoolConfig(workspace_root=str(tmp_path)))
+    with pytest.raises(PoolError, match="not started"):
+        await backend.host.run(sh("true"))
+    await backend.aclose()
+
+
+async def test_a_missing_default_cwd_fails_at_start(tmp_path: Path) -> None:
+    config = LocalPoolConfig(workspace_root=str(tmp_path), default_cwd=str(tmp_path / "nope"))
+    with pytest.raises(BackendUnavailable, match="not a directory"):
+        async with LocalBackend(config):
+            pass
+
+
+async def test_statistics_and_repr(host: LocalHost) -> None:
+    await host.make_workspace()
+    stats = host.statistics()
+    assert (stats.calls_active, stats.calls_queued, stats.workspaces, stats.closed) == (
+        0,
+        0,
+        1,
+        False,
+    )
+    assert repr(host) == "<LocalHost [calls: 0 active, 0 queued | workspaces: 1]>"
+
+
+async def test_the_event_loop_stays_responsive_under_many_calls(
+    host: LocalHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PITFALLS 14: nothing slow runs on the event loop thread. Every file
+    # operation takes 0.3 s here: 30 workspaces in series would take 9 s.
+    slow_local_disk(monkeypatch, host, 0.3)
+    worst = 0.0
+
+    async def heartbeat(stop: anyio.Event) -> None:
+        nonlocal worst
+        while not stop.is_set():
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            worst = max(worst, time.monotonic() - before - 0.01)
+
+    stop = anyio.Event()
+    started = time.monotonic()
+    async with anyio.create_task_group() as group:
+        group.start_soon(heartbeat, stop)
+        async with anyio.create_task_group() as work:
+            for _ in range(30):
+                work.start_soon(host.make_workspace)
+            for _ in range(8):
+                work.start_soon(host.run, sh("head -c 3000000 /dev/zero"))
+        stop.set()
+    elapsed = time.monotonic() - started
+    assert elapsed < 4, f"took {elapsed:.1f} s: workspaces were made in series"
+    assert worst < 1.0, f"the event loop stalled for {worst:.3f} s"
+    assert host.statistics().workspaces == 30

@@ -1,0 +1,180 @@
+"""Pool files: pools/local.toml is the embedded default, bad files fail at load naming the file,
+the dotted key and what was expected; built-in tool files match their definitions."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
+from agent_backend.dispatch.builtin import builtin_schema_text
+from agent_backend.errors import ConfigError
+from agent_backend.pool import (
+    DEFAULT_POOL,
+    POOL_TYPES,
+    load_pool,
+    load_pool_config,
+    pool_config_from_dict,
+    pool_from_config,
+)
+from agent_backend.tools import ToolRegistry
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_TOML = ROOT / "pools" / "local.toml"
+TOOLS_DIR = ROOT / "schemas" / "tools"
+
+
+def write(tmp_path: Path, text: str, name: str = "pool.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_pools_local_toml_is_the_embedded_default() -> None:
+    assert load_pool_config(LOCAL_TOML) == DEFAULT_POOL == LocalPoolConfig()
+
+
+def test_pools_local_toml_mentions_every_key() -> None:
+    text = LOCAL_TOML.read_text()
+    for key in LocalPoolConfig.model_fields:
+        assert f"\n{key} = " in text or f"\n# {key} = " in text, key
+
+
+def test_every_config_field_is_documented() -> None:
+    for name, field in LocalPoolConfig.model_fields.items():
+        assert field.description, name
+
+
+@pytest.mark.anyio
+async def test_load_pool_gives_a_backend_to_async_with() -> None:
+    async with load_pool(LOCAL_TOML) as pool:
+        assert isinstance(pool, LocalBackend)
+        dispatcher = Dispatcher(ToolRegistry.from_dir(TOOLS_DIR), pool)
+        result = await dispatcher.call(("exec", {"argv": ["echo", "from", "a", "file"]}))
+        assert result.output == "from a file\n"
+    async with load_pool() as default_pool:
+        assert isinstance(default_pool, LocalBackend)
+        assert default_pool.config == DEFAULT_POOL
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ('type = "local"\nmax_concurent_calls = 4\n', "max_concurent_calls", "no such key"),
+        (
+            'type = "local"\nmax_concurrent_calls = 0\n',
+            "max_concurrent_calls",
+            "greater than or equal to 1 (got 0)",
+        ),
+        (
+            'type = "local"\nmax_concurrent_calls = "many"\n',
+            "max_concurrent_calls",
+            "a valid integer",
+        ),
+        ('type = "local"\nkill_grace = -1\n', "kill_grace", "greater than 0"),
+        ('type = "local"\nextra_env = { A = 1 }\n', "extra_env.A", "string"),
+        ('type = "local"\nenv_passthrough = "PATH"\n', "env_passthrough", "tuple"),
+        ("max_concurrent_calls = 4\n", "type", "one of 'local'"),
+        ('type = "lokal"\n', "type", "one of 'local'"),
+        ("type = 3\n", "type", "one of 'local'"),
+    ],
+)
+def test_a_bad_file_names_file_key_and_expectation(
+    tmp_path: Path, text: str, key: str, expected: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_pool(path)
+    error = caught.value
+    assert error.file == str(path)
+    assert error.key == key
+    assert expected in error.expected, error.expected
+    assert str(error).startswith(f"{path}: {key}: ")
+    again = pickle.loads(pickle.dumps(error))
+    assert (again.file, again.key, again.expected, str(again)) == (
+        error.file,
+        error.key,
+        error.expected,
+        str(error),
+    )
+
+
+def test_every_problem_is_listed(tmp_path: Path) -> None:
+    path = write(tmp_path, 'type = "local"\nbogus = 1\nshell = 5\nkill_grace = 0\n')
+    with pytest.raises(ConfigError) as caught:
+        load_pool_config(path)
+    lines = str(caught.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["shell", "kill_grace", "bogus"]
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the pool file") as caught:
+        load_pool(tmp_path / "missing.toml")
+    assert caught.value.file == str(tmp_path / "missing.toml")
+    broken = write(tmp_path, 'type = "local"\nshell = \n')
+    with pytest.raises(ConfigError, match="not valid TOML") as caught:
+        load_pool(broken)
+    assert (caught.value.file, caught.value.expected) == (str(broken), "TOML")
+    with pytest.raises(ConfigError, match="a table"):
+        pool_config_from_dict(["type", "local"], file="x.toml")
+
+
+def test_relative_paths_are_relative_to_the_pool_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "conf").mkdir()
+    path = write(tmp_path / "conf", 'type = "local"\nworkspace_root = "ws"\ndefault_cwd = "~/x"\n')
+    monkeypatch.chdir("/")
+    monkeypatch.setenv("HOME", "/home/someone")
+    config = load_pool_config(path)
+    assert isinstance(config, LocalPoolConfig)
+    assert config.workspace_root == str(tmp_path / "conf" / "ws")
+    assert config.default_cwd == "/home/someone/x"
+
+
+def test_pool_types_and_config_objects(tmp_path: Path) -> None:
+    assert POOL_TYPES == ("local", "ssh", "ray")
+    config = LocalPoolConfig(workspace_root=str(tmp_path), max_concurrent_calls=3)
+    backend = pool_from_config(config)
+    assert isinstance(backend, LocalBackend)
+    assert backend.config is config
+    assert isinstance(load_pool(config), LocalBackend)
+    with pytest.raises(TypeError):
+        pool_from_config(object())  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="frozen"):
+        config.shell = "/bin/bash"
+
+
+def test_a_local_pool_file_does_not_import_the_other_backends(tmp_path: Path) -> None:
+    import subprocess
+
+    code = (
+        "import sys; from agent_backend.pool import load_pool; "
+        f"load_pool({str(LOCAL_TOML)!r}); "
+        "print(sorted(m for m in ('asyncssh', 'ray') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- built-in tool files --------------------------------------------------------------------------
+
+
+def test_builtin_tool_files_match_their_definitions() -> None:
+    """schemas/tools/<name>.json is what builtin.py defines (rewrite with write_builtin_schemas)."""
+    for name in BUILTIN_DEFINITIONS:
+        assert (TOOLS_DIR / f"{name}.json").read_text() == builtin_schema_text(name), name
+
+
+def test_the_tool_directory_loads_the_four_builtins() -> None:
+    registry = ToolRegistry.from_dir(TOOLS_DIR)
+    assert sorted(registry.names()) == ["exec", "list_dir", "read_file", "write_file"]
+    for tool in registry:
+        assert tool.meta["x-agent-backend"] == {"builtin": tool.name}
+        assert tool.description
+        for name, prop in tool.parameters["properties"].items():
+            assert prop.get("description"), (tool.name, name)

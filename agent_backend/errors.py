@@ -21,10 +21,13 @@ Two audiences, kept apart:
     ├── PoolError                    a pool used wrongly
     │   ├── LeaseError               release with a stale or foreign owner token
     │   └── PoolClosed               use after aclose()/stop()
-    └── BackendError                 the place a tool runs failed
-        ├── BackendUnavailable       cannot reach / start the backend
-        ├── WorkerLost               the worker died mid-call
-        └── ToolTimeout              also a TimeoutError
+    ├── BackendError                 the place a tool runs failed
+    │   ├── BackendUnavailable       cannot reach / start the backend
+    │   ├── WorkerLost               the worker died mid-call
+    │   ├── ToolTimeout              also a TimeoutError
+    │   ├── ResourceUnavailable      no worker has the resources a call needs
+    │   └── PayloadLost              a result kept by reference was released or lost
+    └── ToolFailed                   a Python tool raised (its type, message, HTTP status)
 
 Every error pickles with its fields (they cross process and Ray boundaries):
 ``AgentBackendError.__reduce__`` rebuilds the instance from its message and
@@ -50,11 +53,14 @@ __all__ = [
     "LeaseError",
     "ModelFacingError",
     "PathOutsideWorkspace",
+    "PayloadLost",
     "PoolClosed",
     "PoolError",
+    "ResourceUnavailable",
     "SchemaError",
     "SchemaRefError",
     "ToolArgumentError",
+    "ToolFailed",
     "ToolTimeout",
     "UnknownToolError",
     "WorkerLost",
@@ -322,3 +328,83 @@ class ToolTimeout(BackendError, TimeoutError):
     ) -> None:
         super().__init__(message, backend=backend, host=host)
         self.timeout = timeout
+
+
+class ResourceUnavailable(BackendError):
+    """A call (or a worker) needs resources that no worker of the backend has.
+
+    Raised at dispatch, before anything runs, instead of waiting forever for
+    a worker that cannot exist. ``needed`` and ``available`` map resource
+    names (``CPU``, ``GPU``, custom ones) to amounts.
+    """
+
+    needed: dict[str, float]
+    available: dict[str, float]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        needed: dict[str, float] | None = None,
+        available: dict[str, float] | None = None,
+        backend: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, host=host)
+        self.needed = dict(needed or {})
+        self.available = dict(available or {})
+
+
+class PayloadLost(BackendError):
+    """A result kept by reference is gone: released, or lost with its owner or its node.
+
+    ``payload`` names the object (its id), ``cause`` says what happened.
+    """
+
+    payload: str | None
+    cause: str | None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        payload: str | None = None,
+        cause: str | None = None,
+        backend: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, host=host)
+        self.payload = payload
+        self.cause = cause
+
+
+class ToolFailed(AgentBackendError):
+    """A Python tool raised an exception, carried as plain data that always pickles.
+
+    Third-party exceptions often cannot cross a process boundary (aiohttp's
+    ``ClientResponseError`` holds unpicklable headers; others hold locks or
+    sockets), so the worker turns them into this: ``error_type`` is the
+    original class's qualified name, ``status`` an HTTP status found on the
+    exception or its causes (so a 503 from a tool server reads as
+    infrastructure, not as bad data), ``traceback`` the clipped traceback.
+    """
+
+    tool: str | None
+    error_type: str
+    status: int | None
+    traceback: str
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tool: str | None = None,
+        error_type: str = "",
+        status: int | None = None,
+        traceback: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.error_type = error_type
+        self.status = status
+        self.traceback = traceback

@@ -43,6 +43,17 @@ ERROR_SAMPLES = [
     errors.BackendUnavailable("down", backend="ssh", host="h:22"),
     errors.WorkerLost("lost", worker="conn-1", cause="EOF", backend="ssh", host="h:22"),
     errors.ToolTimeout("slow", timeout=1.5, backend="local", host="local"),
+    errors.ResourceUnavailable(
+        "no actor has a GPU", needed={"GPU": 1.0}, available={"CPU": 2.0}, backend="ray"
+    ),
+    errors.PayloadLost("released", payload="00ff", cause="released", backend="ray"),
+    errors.ToolFailed(
+        "503, message='Service Unavailable'",
+        tool="score",
+        error_type="aiohttp.client_exceptions.ClientResponseError",
+        status=503,
+        traceback="Traceback (most recent call last): ...",
+    ),
 ]
 
 

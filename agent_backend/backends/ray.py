@@ -1,0 +1,945 @@
+"""The Ray backend: Python tools on a pool of Ray actors that hold CPUs and GPUs.
+
+A pool (``type = "ray"``) is ``replicas`` identical actors, each declared
+with ``num_cpus``/``num_gpus``/custom ``resources`` and running up to
+``max_concurrency`` calls at once. Each actor imports the pool's tools
+(``module:function``, sync or async) once, when it starts. A call goes to the
+least-loaded live actor; when all are busy it waits in a FIFO queue, and the
+wait counts against the call's timeout.
+
+Results at or above ``inline_limit`` bytes stay in the object store and come
+back as a :class:`~agent_backend.backends.ray_payload.PayloadRef` owned by
+the driver (see that module for ownership and lifetime); smaller ones come
+back inline.
+
+Faults: an actor that dies is evicted at once (a sentinel call per actor
+fails the moment it dies) and replaced, at most ``max_restarts`` times per
+replica. A call it was running is retried once on another actor when the
+tool is declared ``idempotent``, else it fails with
+:class:`~agent_backend.errors.WorkerLost` naming the actor and the cause. A
+tool's own exception comes back as itself when it is one of ours and
+pickles, else as :class:`~agent_backend.errors.ToolFailed` (type, message,
+HTTP status): the actor returns errors as values, so nothing unpicklable
+ever crosses the boundary.
+
+This module must never hand a call to an actor known to be dead, never wait
+for resources no actor has, never let a Ray exception reach the caller, and
+never fetch a by-reference result into the driver. Ray runs on asyncio only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Final, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import pydantic
+import ray
+import ray.exceptions
+
+from agent_backend.backends._errors import map_exceptions
+from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
+from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
+from agent_backend.dispatch.backend import Backend, Host
+from agent_backend.errors import (
+    AgentBackendError,
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    PoolClosed,
+    PoolError,
+    ResourceUnavailable,
+    ToolArgumentError,
+    ToolFailed,
+    ToolTimeout,
+    UnknownToolError,
+    WorkerLost,
+    clip,
+)
+from agent_backend.tools.tool import Tool
+
+__all__ = [
+    "LocalRayConfig",
+    "PayloadRef",
+    "RayActorInfo",
+    "RayBackend",
+    "RayPoolConfig",
+    "RayResult",
+    "RayStatistics",
+    "RayToolConfig",
+]
+
+_IMPORT_PATH: Final = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
+_RESOURCE_NAME: Final = r"^[A-Za-z_][\w.:/-]*$"
+#: Ray concurrency slots an actor keeps beyond ``max_concurrency``: its death sentinel and describe().
+_CONTROL_SLOTS: Final = 2
+_CAUSE_LIMIT: Final = 500
+
+
+def _check_gpus(value: float) -> float:
+    if value > 1 and not float(value).is_integer():
+        raise ValueError("a fraction of a GPU must be below 1 (Ray shares one GPU, never several)")
+    return value
+
+
+GPUs = Annotated[float, pydantic.Field(ge=0), pydantic.AfterValidator(_check_gpus)]
+Resources = dict[
+    Annotated[str, pydantic.StringConstraints(pattern=_RESOURCE_NAME)],
+    Annotated[float, pydantic.Field(ge=0)],
+]
+
+
+def _no_builtin_resources(value: dict[str, float]) -> dict[str, float]:
+    for name in ("CPU", "GPU", "memory", "object_store_memory"):
+        if name in value:
+            raise ValueError(f"{name!r} is not a custom resource: use its own key")
+    return value
+
+
+class RayToolConfig(pydantic.BaseModel):
+    """One tool of a Ray pool: a Python function and what it needs."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    function: str = pydantic.Field(pattern=_IMPORT_PATH)
+    """Import path ``package.module:function`` (``module:Class.method`` for a static method),
+    importable where the actors run (installed, or shipped with ``runtime_env``). Sync or async;
+    its schema comes from its signature and docstring. Imported once per actor."""
+    name: str | None = None
+    """The tool's name; None: the function's ``__name__``."""
+    num_cpus: float = pydantic.Field(default=0, ge=0)
+    """CPUs a call needs its actor to have; a call no actor can satisfy fails at dispatch."""
+    num_gpus: GPUs = 0
+    """GPUs (fractions allowed) a call needs its actor to have; checked like ``num_cpus``."""
+    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
+        pydantic.Field(default_factory=dict)
+    )
+    """Custom Ray resources a call needs its actor to have (``{accelerator_A100 = 1}``)."""
+    idempotent: bool = False
+    """True when running a call twice is harmless: a call whose actor died is then retried once
+    on another actor instead of failing with ``WorkerLost``."""
+
+    def needs(self) -> dict[str, float]:
+        needed = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in needed.items() if amount > 0}
+
+
+def _tool_entry(value: object) -> object:
+    return {"function": value} if isinstance(value, str) else value
+
+
+class LocalRayConfig(pydantic.BaseModel):
+    """The Ray this pool starts when it has no ``address`` (and none runs in this process)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    num_cpus: int | None = pydantic.Field(default=None, ge=1)
+    """Logical CPUs of the local node; None: the machine's cores."""
+    num_gpus: int | None = pydantic.Field(default=None, ge=0)
+    """Logical GPUs of the local node; None: the GPUs Ray detects. Set it on a machine without
+    a GPU to try a GPU pool (placement and ``ray.get_gpu_ids()`` work; CUDA does not)."""
+    object_store_memory: int | None = pydantic.Field(default=None, ge=75 * 1024 * 1024)
+    """Bytes of shared memory for the object store (payloads live there); None: Ray's default,
+    30% of the machine's memory. Size it above the payloads alive at once, or Ray spills to disk."""
+    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
+        pydantic.Field(default_factory=dict)
+    )
+    """Custom resources the local node advertises."""
+
+
+class RayPoolConfig(pydantic.BaseModel):
+    """A pool of Ray actors running Python tools (``type = "ray"``)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    type: Literal["ray"] = "ray"
+    """Selects the Ray backend."""
+    name: str = pydantic.Field(default="ray", pattern=r"^[A-Za-z0-9_.-]{1,40}$")
+    """Names the pool's actors (``NAME-REPLICA.GENERATION``) in errors, logs and ``ray list``."""
+    address: str | None = pydantic.Field(default=None, min_length=1)
+    """The cluster to join: ``"auto"`` (the one started on this machine by ``ray start``),
+    ``"HOST:PORT"`` (its GCS) or ``"ray://HOST:10001"`` (Ray Client); never shut down by the
+    pool. None: a local Ray is started. A connection pools opened is shared by the process's
+    pools and closed (disconnected; a local Ray stopped) when the last of them closes. When
+    this process was already connected to Ray by other code, that connection is used and kept."""
+    local: LocalRayConfig = pydantic.Field(default_factory=LocalRayConfig)
+    """How to start the local Ray when ``address`` is None."""
+    num_cpus: float = pydantic.Field(default=1, ge=0)
+    """CPUs reserved by each actor (fractions allowed)."""
+    num_gpus: GPUs = 0
+    """GPUs reserved by each actor: fractions below 1 share a GPU (0.5: two actors per GPU),
+    whole numbers give each actor its own. Inside, ``ray.get_gpu_ids()`` and
+    ``CUDA_VISIBLE_DEVICES`` name the GPUs granted."""
+    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
+        pydantic.Field(default_factory=dict)
+    )
+    """Custom Ray resources reserved by each actor."""
+    replicas: int = pydantic.Field(default=1, ge=1, le=1024)
+    """How many actors: calls are spread over them, least-loaded first."""
+    max_concurrency: int = pydantic.Field(default=1, ge=1, le=1000)
+    """Calls one actor runs at once; more wait in the pool's queue (counting against their
+    timeout). Sync tools run in the actor's threads, async ones on its event loop."""
+    runtime_env: dict[str, Any] | None = None
+    """Ray ``runtime_env`` of the actors (``pip``, ``working_dir``, ``py_modules``,
+    ``env_vars``...): how the tools' code reaches a cluster's nodes."""
+    tools: tuple[Annotated[RayToolConfig, pydantic.BeforeValidator(_tool_entry)], ...] = (
+        pydantic.Field(min_length=1)
+    )
+    """The tools every actor hosts: import paths ``"module:function"``, or tables with
+    ``function`` and any of ``name``, ``num_cpus``, ``num_gpus``, ``resources``, ``idempotent``."""
+    inline_limit: int = pydantic.Field(default=1024 * 1024, ge=INLINE_FLOOR)
+    """Results of at least this many bytes (arrays, tensors, bytes, str, and containers of them)
+    stay in the object store and come back as a ``PayloadRef``; smaller ones come back inline.
+    At least 100 KiB: below that Ray copies objects into the caller's memory anyway."""
+    call_timeout: float = pydantic.Field(default=300.0, gt=0)
+    """Default seconds for a call (queueing, a retry and the tool's run), over which it fails
+    with ``ToolTimeout`` and its Ray task is cancelled."""
+    start_timeout: float = pydantic.Field(default=120.0, gt=0)
+    """Seconds for the actors to start (runtime env set-up, tool imports) at ``start()`` and
+    for each replacement."""
+    max_restarts: int = pydantic.Field(default=3, ge=0)
+    """Replacements per replica after its actor dies; after that the replica stays dead and the
+    pool serves with the rest (with none left, calls fail with ``BackendUnavailable``)."""
+    autoscaling: bool = False
+    """True when the cluster adds nodes on demand: actors it cannot hold yet are waited for
+    (up to ``start_timeout``). False: a pool whose actors do not fit the cluster's total
+    resources fails at start with ``ResourceUnavailable`` instead of waiting."""
+    log_to_driver: bool = True
+    """Show the actors' stdout and stderr in this process (when this pool connects to Ray)."""
+
+    def actor_resources(self) -> dict[str, float]:
+        """What each actor reserves, in Ray's resource names."""
+        held = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in held.items() if amount > 0}
+
+
+# -- mapping Ray's errors ---------------------------------------------------------------------------
+
+
+def _cause(exc: BaseException) -> str:
+    """Ray's reason, short: ``ActorDiedError: The actor is dead because it was killed by ...``.
+
+    Ray's messages open with a generic line and tab-indented ids; the lines
+    after those say why, so those are kept when there are any.
+    """
+    text = str(getattr(exc, "error_msg", None) or exc)
+    lines = [line for line in text.splitlines() if line.strip()]
+    reasons = [line.strip() for line in lines[1:] if not line[:1].isspace()]
+    picked = reasons or [line.strip() for line in lines[:1]]
+    return clip(f"{type(exc).__name__}: {' '.join(picked)}".rstrip(": "), _CAUSE_LIMIT)
+
+
+def _task_error(exc: BaseException, tool: str) -> AgentBackendError:
+    """A failed actor task (the tool already returns its own errors: so Ray's serialization of
+    the arguments or the result, as a rule) as the error it carries or a :class:`ToolFailed`."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, AgentBackendError):
+        return cause
+    if isinstance(cause, BaseException):
+        return tool_failure(cause, tool=tool)
+    return ToolFailed(_cause(exc), tool=tool, error_type=type(exc).__name__)
+
+
+# -- the driver side --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RayResult:
+    """What one call on a Ray pool returned."""
+
+    tool: str
+    value: Any
+    """The tool's return value, or a :class:`PayloadRef` when it stayed in the object store."""
+    actor: str
+    """The actor that ran the (last) attempt: ``POOL-REPLICA.GENERATION``."""
+    duration: float
+    """Seconds from the call to its result, queueing and retry included."""
+    attempts: int = 1
+    """2 when an idempotent call was retried after its actor died."""
+
+    @property
+    def by_reference(self) -> bool:
+        return isinstance(self.value, PayloadRef)
+
+    @property
+    def payload(self) -> PayloadRef | None:
+        return self.value if isinstance(self.value, PayloadRef) else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RayActorInfo:
+    """One actor of a pool, as the pool sees it now."""
+
+    name: str
+    """``POOL-REPLICA.GENERATION``, as errors name it."""
+    ray_name: str
+    """The Ray actor's name (``ray.get_actor(ray_name)``, ``ray list actors``)."""
+    state: Literal["starting", "live", "dead"]
+    in_flight: int
+    served: int
+    pid: int | None
+    node: str | None
+    gpu_ids: tuple[str, ...]
+    """GPUs Ray granted the actor, as ``ray.get_gpu_ids()`` reported inside it."""
+    cause: str | None
+    """Why it died; None while it lives."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RayStatistics:
+    actors_live: int
+    actors_starting: int
+    actors_dead: int
+    """Replicas that died and are not (yet) replaced."""
+    calls_in_flight: int
+    calls_queued: int
+    calls: int
+    """Calls finished (with a result or an error) since start."""
+    retries: int
+    """Idempotent calls run again after their actor died."""
+    evictions: int
+    """Actors evicted after they died."""
+    restarts: int
+    """Replacement actors started."""
+    payloads: int
+    """By-reference results not yet released."""
+    closed: bool
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Actor:
+    index: int
+    generation: int
+    name: str
+    ray_name: str
+    handle: Any
+    run: Any
+    """``handle.run`` with two return objects: the outcome, and the by-reference result."""
+    sentinel: Any = None
+    state: Literal["starting", "live", "dead"] = "starting"
+    in_flight: int = 0
+    served: int = 0
+    pid: int | None = None
+    node: str | None = None
+    gpu_ids: tuple[str, ...] = ()
+    cause: str | None = None
+
+    def info(self) -> RayActorInfo:
+        return RayActorInfo(
+            self.name,
+            self.ray_name,
+            self.state,
+            self.in_flight,
+            self.served,
+            self.pid,
+            self.node,
+            self.gpu_ids,
+            self.cause,
+        )
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Waiter:
+    event: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    actor: _Actor | None = None
+    error: AgentBackendError | None = None
+
+
+class _ActorDied(Exception):
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+_ACTOR_DEATHS: Final[tuple[type[BaseException], ...]] = (
+    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.OutOfMemoryError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.LocalRayletDiedError,
+)
+
+
+class RayBackend(Backend):
+    """A pool of Ray actors hosting Python tools; ``await pool.call(tool, arguments)``.
+
+    Ray actors run Python functions, not shell commands, so :attr:`hosts` is
+    empty and :meth:`call` is the way in.
+    """
+
+    kind: ClassVar[str] = "ray"
+
+    def __init__(self, config: RayPoolConfig) -> None:
+        self.config = config
+        self._pool_id = uuid.uuid4().hex[:8]
+        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
+        self._done = anyio.Event()
+        self._owns_ray = False
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._actors: list[_Actor] = []
+        self._retired: list[_Actor] = []
+        self._restarts = [0] * config.replicas
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._tools: dict[str, Tool] = {}
+        self._specs: dict[str, RayToolConfig] = {}
+        self._unsatisfiable: dict[str, ResourceUnavailable] = {}
+        self._payloads: weakref.WeakSet[PayloadRef] = weakref.WeakSet()
+        self._calls = self._retries = self._evictions = self._replacements = 0
+
+    @classmethod
+    def from_config(cls, config: RayPoolConfig) -> RayBackend:
+        return cls(config)
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = "" if self._state == "open" else f" {self._state}"
+        return (
+            f"<RayBackend pool={self.config.name} [actors: {s.actors_live} live, "
+            f"{s.actors_starting} starting, {s.actors_dead} dead | calls: {s.calls_in_flight} "
+            f"in flight, {s.calls_queued} queued | payloads: {s.payloads}]{state}>"
+        )
+
+    @property
+    def hosts(self) -> Sequence[Host]:
+        return ()
+
+    def pick_host(self) -> Host:
+        raise BackendUnavailable(
+            "the Ray backend runs Python tools (RayBackend.call), not commands", backend="ray"
+        )
+
+    @property
+    def tools(self) -> Sequence[Tool]:
+        """The pool's tools as the actors loaded them (definitions only: they run remotely)."""
+        return tuple(self._tools.values())
+
+    def actors(self) -> list[RayActorInfo]:
+        return [actor.info() for actor in self._actors]
+
+    def is_closed(self) -> bool:
+        return self._state in ("closing", "closed")
+
+    def statistics(self) -> RayStatistics:
+        states = collections.Counter(actor.state for actor in self._actors)
+        return RayStatistics(
+            actors_live=states["live"],
+            actors_starting=states["starting"],
+            actors_dead=states["dead"],
+            calls_in_flight=sum(actor.in_flight for actor in self._actors),
+            calls_queued=len(self._waiters),
+            calls=self._calls,
+            retries=self._retries,
+            evictions=self._evictions,
+            restarts=self._replacements,
+            payloads=sum(1 for payload in self._payloads if not payload.is_released()),
+            closed=self._state == "closed",
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise PoolError(f"the Ray pool {self.config.name!r} was already started")
+        self._state = "starting"
+        await anyio.to_thread.run_sync(self._connect)
+        self._check_cluster(await anyio.to_thread.run_sync(ray.cluster_resources))
+        self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        self._actors = [self._spawn(index, 0) for index in range(self.config.replicas)]
+        described: list[dict[str, Any]] = []
+        failures: list[AgentBackendError] = []
+
+        async def ready(actor: _Actor) -> None:
+            try:
+                described.append(await self._await_ready(actor))
+            except AgentBackendError as exc:
+                failures.append(exc)
+
+        async with anyio.create_task_group() as group:
+            for actor in self._actors:
+                group.start_soon(ready, actor)
+        if failures:
+            raise failures[0]
+        self._learn_tools(described[0])
+        for actor in self._actors:
+            actor.state = "live"
+            self._tasks.start_soon(self._watch, actor)
+        self._state = "open"
+
+    def _connect(self) -> None:
+        """Join or start Ray (blocking: runs in a worker thread)."""
+        try:
+            self._owns_ray = _CONNECTION.open(self.config)
+        except Exception as exc:
+            where = self.config.address or "a local Ray"
+            raise BackendUnavailable(
+                f"cannot connect to {where}: {_cause(exc)}",
+                backend="ray",
+                host=self.config.address,
+            ) from None
+
+    def _check_cluster(self, total: Mapping[str, float]) -> None:
+        """Refuse, at start, actors that the whole cluster could never hold."""
+        if self.config.autoscaling:
+            return
+        per_actor = self.config.actor_resources()
+        needed = {name: amount * self.config.replicas for name, amount in per_actor.items()}
+        short = {name for name, amount in needed.items() if total.get(name, 0.0) + 1e-9 < amount}
+        if short:
+            raise ResourceUnavailable(
+                f"pool {self.config.name!r} needs {_render(needed)} for {self.config.replicas} "
+                f"actor(s) of {_render(per_actor)}, but the cluster has "
+                f"{_render({name: total.get(name, 0.0) for name in sorted(needed)})} "
+                "(set autoscaling = true if nodes are added on demand)",
+                needed=needed,
+                available={name: float(total.get(name, 0.0)) for name in needed},
+                backend="ray",
+            )
+
+    def _spawn(self, index: int, generation: int) -> _Actor:
+        config = self.config
+        name = f"{config.name}-{index}.{generation}"
+        ray_name = f"agent_backend/{config.name}/{self._pool_id}/{index}.{generation}"
+        options: dict[str, Any] = {
+            "name": ray_name,
+            "num_cpus": config.num_cpus,
+            "num_gpus": config.num_gpus,
+            "max_concurrency": config.max_concurrency + _CONTROL_SLOTS,
+            "max_restarts": 0,  # replaced by the pool, which keeps serving meanwhile
+            "max_task_retries": 0,
+        }
+        if config.resources:
+            options["resources"] = dict(config.resources)
+        if config.runtime_env is not None:
+            options["runtime_env"] = config.runtime_env
+        handle = (
+            _actor_class()
+            .options(**options)
+            .remote(
+                name, [(tool.function, tool.name) for tool in config.tools], config.inline_limit
+            )
+        )
+        actor = _Actor(index, generation, name, ray_name, handle, handle.run.options(num_returns=2))
+        actor.sentinel = handle.wait_closed.remote()
+        return actor
+
+    async def _await_ready(self, actor: _Actor) -> dict[str, Any]:
+        """Wait for ``actor`` to have started and loaded its tools; its description."""
+        timeout = self.config.start_timeout
+        with anyio.move_on_after(timeout) as scope:
+            try:
+                info = await actor.handle.describe.remote()
+            except ray.exceptions.RuntimeEnvSetupError as exc:
+                raise ConfigError(
+                    f"actor {actor.name}: its runtime_env could not be set up: {_cause(exc)}",
+                    key="runtime_env",
+                    expected="a runtime_env Ray can set up on the cluster's nodes",
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise BackendUnavailable(
+                    f"actor {actor.name} did not start: {_cause(exc)}", backend="ray"
+                ) from None
+        if scope.cancelled_caught:
+            available = await anyio.to_thread.run_sync(ray.available_resources)
+            raise BackendUnavailable(
+                f"actor {actor.name} did not start within {timeout:g}s: it needs "
+                f"{_render(self.config.actor_resources())}; the cluster has "
+                f"{_render(available)} available now",
+                backend="ray",
+            )
+        if info["load_error"] is not None:
+            raise info["load_error"]
+        actor.pid, actor.node = info["pid"], info["node"]
+        actor.gpu_ids = tuple(info["gpu_ids"])
+        return info  # type: ignore[no-any-return]
+
+    def _learn_tools(self, info: Mapping[str, Any]) -> None:
+        for spec, tool in zip(self.config.tools, info["tools"], strict=True):
+            self._specs[tool["name"]] = spec
+            shortage = self._shortage(tool["name"], spec)
+            if shortage is not None:
+                self._unsatisfiable[tool["name"]] = shortage
+            self._tools[tool["name"]] = Tool(
+                name=tool["name"],
+                description=tool["description"],
+                parameters=tool["parameters"],
+                source=tool["source"],
+                meta={"x-agent-backend": {"backend": "ray"}},  # an ExecutionSpec block
+            )
+
+    async def aclose(self) -> None:
+        if self._state == "closed":
+            return
+        if self._state == "closing":
+            await self._done.wait()
+            return
+        self._state = "closing"
+        try:
+            self._fail_waiters(PoolClosed(f"the Ray pool {self.config.name!r} was closed"))
+            if self._tasks is not None:
+                self._tasks.cancel_scope.cancel()
+            # Exited here, not under the shield below: a task group's scope must be the
+            # innermost one when it exits. Its tasks are cancelled, so this is quick.
+            await self._stack.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._stop_actors([*self._actors, *self._retired])
+                    for payload in list(self._payloads):
+                        payload.release()
+                    if self._owns_ray:
+                        self._owns_ray = False
+                        await anyio.to_thread.run_sync(_CONNECTION.close)
+                finally:
+                    self._state = "closed"
+                    self._done.set()
+
+    async def _stop_actors(self, actors: Sequence[_Actor]) -> None:
+        """Kill every actor and wait (bounded) until Ray reports each dead."""
+        for actor in actors:
+            if actor.state != "dead":
+                actor.state, actor.cause = "dead", "the pool was closed"
+        if not actors or not ray.is_initialized():
+            return
+        await anyio.to_thread.run_sync(_kill_all, [actor.handle for actor in actors])
+        with anyio.move_on_after(10):
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    await actor.sentinel
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    async def _watch(self, actor: _Actor) -> None:
+        try:
+            await actor.sentinel
+        except Exception as exc:
+            self._evict(actor, _cause(exc))
+
+    def _evict(self, actor: _Actor, cause: str) -> None:
+        """Mark ``actor`` dead (once) and schedule its retirement and replacement."""
+        if actor.state == "dead" or self._tasks is None:
+            return
+        actor.state = "dead"
+        actor.cause = cause
+        self._evictions += 1
+        replace = self._state == "open" and self._restarts[actor.index] < self.config.max_restarts
+        self._tasks.start_soon(self._retire, actor, replace)
+        self._dispatch_waiters()
+
+    async def _retire(self, actor: _Actor, replace: bool) -> None:
+        await anyio.to_thread.run_sync(_kill_all, [actor.handle])
+        index = actor.index
+        while replace and self._restarts[index] < self.config.max_restarts:
+            self._restarts[index] += 1
+            self._replacements += 1
+            new = self._spawn(index, self._restarts[index])
+            self._retired.append(self._actors[index])
+            self._actors[index] = new
+            try:
+                await self._await_ready(new)
+            except AgentBackendError as exc:
+                new.state, new.cause = "dead", str(exc)
+                await anyio.to_thread.run_sync(_kill_all, [new.handle])
+                self._dispatch_waiters()
+                await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
+                continue
+            new.state = "live"
+            assert self._tasks is not None
+            self._tasks.start_soon(self._watch, new)
+            self._dispatch_waiters()
+            return
+        self._dispatch_waiters()
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _pick(self) -> _Actor | None:
+        """The least-loaded live actor with a free slot (fewest served breaks ties)."""
+        limit = self.config.max_concurrency
+        free = [a for a in self._actors if a.state == "live" and a.in_flight < limit]
+        return min(free, key=lambda a: (a.in_flight, a.served)) if free else None
+
+    def _all_dead(self) -> bool:
+        return all(actor.state == "dead" for actor in self._actors) and not any(
+            self._restarts[a.index] < self.config.max_restarts for a in self._actors
+        )
+
+    def _dispatch_waiters(self) -> None:
+        """Hand free actors to queued calls in FIFO order (sync: no I/O here)."""
+        while self._waiters:
+            actor = self._pick()
+            if actor is None:
+                if self._all_dead():
+                    self._fail_waiters(self._no_actor_error())
+                return
+            waiter = self._waiters.popleft()
+            actor.in_flight += 1
+            waiter.actor = actor
+            waiter.event.set()
+
+    def _fail_waiters(self, error: AgentBackendError) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            waiter.error = error
+            waiter.event.set()
+
+    def _no_actor_error(self) -> BackendUnavailable:
+        causes = "; ".join(f"{a.name}: {a.cause}" for a in self._actors if a.cause)
+        return BackendUnavailable(
+            f"every actor of pool {self.config.name!r} is dead and out of restarts ({causes})",
+            backend="ray",
+        )
+
+    async def _acquire(self) -> _Actor:
+        if not self._waiters:
+            actor = self._pick()
+            if actor is not None:
+                actor.in_flight += 1
+                return actor
+        if self._all_dead():
+            raise self._no_actor_error()
+        waiter = _Waiter()
+        self._waiters.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+            if waiter.actor is not None:
+                self._release(waiter.actor)
+            raise
+        if waiter.error is not None:
+            raise waiter.error
+        assert waiter.actor is not None
+        return waiter.actor
+
+    def _release(self, actor: _Actor) -> None:
+        actor.in_flight -= 1
+        self._dispatch_waiters()
+
+    def _check_open(self) -> None:
+        if self._state == "open":
+            return
+        if self._state in ("closing", "closed"):
+            raise PoolClosed(f"the Ray pool {self.config.name!r} is closed")
+        raise PoolError(f"the Ray pool {self.config.name!r} is not started: use `async with`")
+
+    def _shortage(self, name: str, spec: RayToolConfig) -> ResourceUnavailable | None:
+        """The error for calls of a tool that needs more than an actor holds; None if it fits."""
+        held = self.config.actor_resources()
+        needed = spec.needs()
+        if all(held.get(res, 0.0) + 1e-9 >= amount for res, amount in needed.items()):
+            return None
+        return ResourceUnavailable(
+            f"tool {name!r} needs {_render(needed)}, but the actors of pool "
+            f"{self.config.name!r} each hold {_render(held)}",
+            needed=needed,
+            available=held,
+            backend="ray",
+        )
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any] | str | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - the call's limit; it also cancels the Ray task
+    ) -> RayResult:
+        """Run ``tool`` on the least-loaded live actor and return its result.
+
+        ``arguments`` is the arguments object (a mapping, or its JSON text); it
+        may hold :class:`PayloadRef` values anywhere, which the actor resolves
+        before the tool runs. Raises :class:`UnknownToolError`,
+        :class:`ResourceUnavailable` (at once, when no actor has what the tool
+        declares), :class:`ToolArgumentError`, :class:`ToolFailed` or the
+        tool's own project error, :class:`WorkerLost`, :class:`ToolTimeout`,
+        :class:`BackendUnavailable` and :class:`PayloadLost`.
+        """
+        self._check_open()
+        spec = self._specs.get(tool)
+        if spec is None:
+            raise UnknownToolError(tool, available=list(self._specs))
+        shortage = self._unsatisfiable.get(tool)
+        if shortage is not None:
+            raise ResourceUnavailable(
+                shortage.message,
+                needed=shortage.needed,
+                available=shortage.available,
+                backend="ray",
+            )
+        arguments = {} if arguments is None else arguments
+        has_payloads = not isinstance(arguments, str) and contains_payloads(arguments)
+        limit = self.config.call_timeout if timeout is None else timeout
+        if not limit > 0:
+            raise ValueError("timeout must be positive")
+        started = time.monotonic()
+        attempts = 0
+        try:
+            with anyio.move_on_after(limit):
+                while True:
+                    attempts += 1
+                    actor = await self._acquire()
+                    try:
+                        value = await self._run_on(actor, tool, arguments, has_payloads)
+                    except _ActorDied as died:
+                        self._evict(actor, died.cause)
+                        if spec.idempotent and attempts == 1:
+                            self._retries += 1
+                            continue
+                        raise WorkerLost(
+                            f"actor {actor.name} of pool {self.config.name!r} died during a "
+                            f"call of {tool!r}: {died.cause}",
+                            worker=actor.name,
+                            cause=died.cause,
+                            backend="ray",
+                            host=actor.node,
+                        ) from None
+                    return RayResult(tool, value, actor.name, time.monotonic() - started, attempts)
+            raise ToolTimeout(
+                f"call of {tool!r} on pool {self.config.name!r} did not finish within {limit:g}s",
+                timeout=limit,
+                backend="ray",
+            )
+        finally:
+            self._calls += 1
+
+    async def _run_on(
+        self, actor: _Actor, tool: str, arguments: Mapping[str, Any] | str, has_payloads: bool
+    ) -> Any:
+        """One attempt on ``actor``, which holds a slot taken for it; the slot is given back."""
+        try:
+            outcome_ref, result_ref = actor.run.remote((tool, arguments, has_payloads))
+        except Exception as exc:
+            self._release(actor)
+            raise ToolArgumentError(
+                f"the arguments cannot be sent to a Ray actor: {clip(str(exc), 300)}", tool=tool
+            ) from None
+        try:
+            with map_exceptions(
+                {ray.exceptions.RayError: BackendError},
+                message=f"Ray failed a call of {tool!r} on {actor.name}",
+                backend="ray",
+                host=actor.node,
+            ):
+                try:
+                    outcome: Outcome = await outcome_ref
+                except _ACTOR_DEATHS as exc:
+                    raise _ActorDied(_cause(exc)) from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise _task_error(exc, tool) from None
+        except (_ActorDied, AgentBackendError):
+            self._release(actor)
+            # The task is over and both its returns hold the error: read the second too, or
+            # Ray logs it as an "unhandled error" when the reference goes.
+            with contextlib.suppress(Exception):
+                await result_ref
+            raise
+        except BaseException:
+            # Timed out or cancelled: stop the task, and keep the slot until it really ends.
+            with contextlib.suppress(Exception):
+                ray.cancel(outcome_ref)
+            if self._tasks is not None and self._state == "open":
+                self._tasks.start_soon(self._settle, actor, outcome_ref)
+            else:
+                self._release(actor)
+            raise
+        actor.served += 1
+        self._release(actor)
+        kind, body = outcome
+        if kind == VALUE:
+            return body
+        if kind == ERROR:
+            raise body
+        payload = PayloadRef(result_ref, body, producer=actor.name, tool=tool)
+        self._payloads.add(payload)
+        return payload
+
+    async def _settle(self, actor: _Actor, ref: Any) -> None:
+        try:
+            with contextlib.suppress(Exception):
+                await ref
+        finally:
+            self._release(actor)
+
+
+class _Connection:
+    """This process's connection to Ray, as pools see it: who opened it, how many pools use it.
+
+    A pool either finds Ray connected by someone else (a trainer's ``ray.init()``:
+    used, never closed), or opens the connection itself: joining ``address``, or
+    starting a local Ray. A connection pools opened is shared by every pool of the
+    process and closed (``ray.shutdown()``: disconnect, and stop a local Ray) when
+    the last of them closes. Blocking: called in worker threads, under a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened = False
+        self._users = 0
+
+    def open(self, config: RayPoolConfig) -> bool:
+        """Connect if needed; True when the caller must :meth:`close` (a pool-opened connection)."""
+        with self._lock:
+            if ray.is_initialized():
+                if not self._opened:
+                    return False
+                self._users += 1
+                return True
+            if config.address is not None:
+                ray.init(address=config.address, log_to_driver=config.log_to_driver)
+            else:
+                local = config.local
+                ray.init(
+                    num_cpus=local.num_cpus,
+                    num_gpus=local.num_gpus,
+                    object_store_memory=local.object_store_memory,
+                    resources=local.resources or None,
+                    include_dashboard=False,
+                    log_to_driver=config.log_to_driver,
+                )
+            self._opened, self._users = True, 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._opened:
+                self._opened = False
+                ray.shutdown()
+
+
+_CONNECTION: Final = _Connection()
+
+
+def _kill_all(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)
+
+
+def _render(resources: Mapping[str, float]) -> str:
+    if not resources:
+        return "nothing"
+    return ", ".join(
+        f"{name}={int(amount) if math.isclose(amount, round(amount)) else amount:g}"
+        for name, amount in sorted(resources.items())
+    )
+
+
+@functools.cache
+def _actor_class() -> Any:
+    return ray.remote(ToolActor)

@@ -13,8 +13,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# The daemon on the built-in local pool; it prints its URL, where its token is,
+# and curl commands to call it (docs/daemon.md). Ctrl-C stops it cleanly.
 run: $(STAMP)
-	$(BIN)/agent-backend run-example
+	$(BIN)/agent-backend serve
 
 lint: $(STAMP)
 	$(BIN)/ruff check agent_backend tests bench
@@ -32,10 +34,15 @@ pytest: $(STAMP) system-deps
 test: lint typecheck pytest
 
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.
-bench: $(STAMP)
+# Each prints its figures side by side with its baseline and PASS/FAIL per target.
+# `make bench` runs them all and fails if any figure is missed; each also runs alone.
+BENCHES := validator_bench schema_bench ssh_bench daemon_bench ray_bench
+
+bench: $(STAMP) system-deps
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
-	$(BIN)/python bench/validator_bench.py
-	$(BIN)/python bench/schema_bench.py
+	@status=0; for b in $(BENCHES); do \
+	  echo "===== bench/$$b.py"; $(BIN)/python bench/$$b.py || status=1; \
+	done; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

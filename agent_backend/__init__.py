@@ -3,6 +3,8 @@
 The public API is what ``__all__`` lists; everything else is internal.
 """
 
+from agent_backend.client import Client, SyncClient
+from agent_backend.dispatch import Dispatcher, Session, ToolResult
 from agent_backend.errors import (
     AgentBackendError,
     ArgumentIssue,
@@ -21,6 +23,7 @@ from agent_backend.errors import (
     UnknownToolError,
     WorkerLost,
 )
+from agent_backend.pool import DEFAULT_POOL, load_pool
 from agent_backend.schema import (
     CompiledSchema,
     Limits,
@@ -41,12 +44,15 @@ from agent_backend.tools import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_POOL",
     "AgentBackendError",
     "ArgumentIssue",
     "BackendError",
     "BackendUnavailable",
+    "Client",
     "CompiledSchema",
     "ConfigError",
+    "Dispatcher",
     "LeaseError",
     "Limits",
     "ModelFacingError",
@@ -56,15 +62,19 @@ __all__ = [
     "PreparedCall",
     "SchemaError",
     "SchemaRefError",
+    "Session",
+    "SyncClient",
     "Tool",
     "ToolArgumentError",
     "ToolCall",
     "ToolRegistry",
+    "ToolResult",
     "ToolTimeout",
     "UnknownToolError",
     "WorkerLost",
     "__version__",
     "compile_schema",
+    "load_pool",
     "parse_tool_calls",
     "prepare_arguments",
     "resolve_local_refs",

@@ -1,18 +1,24 @@
-"""The ``agent-backend`` command line: list tools, repair arguments, call a tool on a pool.
+"""The ``agent-backend`` command line: serve the daemon or MCP, call a tool, check a pool.
 
 Uses only the public API. Exit status reflects the result: 0 when the call
-(or the preparation) succeeded, 1 when the model-facing answer is an error,
-2 for usage errors (typer's), 3 for a configuration or infrastructure error.
+(or the preparation, or the check) succeeded, 1 when the answer is an error
+(a failed tool result, an unhealthy host), 2 for usage errors (typer's), 3
+for a configuration or infrastructure error. Logs go to stderr; stdout
+carries only results (and, for ``mcp``, the protocol).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shlex
 import sys
+import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
+import anyio
 import typer
 
 from agent_backend.errors import AgentBackendError, ModelFacingError
@@ -21,11 +27,20 @@ from agent_backend.tools import ToolCall, ToolRegistry
 app = typer.Typer(
     name="agent-backend",
     help="Run AI agents' tool calls: repair arguments against each tool's JSON Schema, "
-    "then execute them on a pool of hosts.",
+    "then execute them on a pool of hosts (this machine, SSH hosts or Ray actors).\n\n"
+    "Start here: `agent-backend tools` lists the tools; `agent-backend call exec "
+    '\'{"command": "echo hi"}\'` runs one; `agent-backend serve` starts the HTTP daemon '
+    "(docs/daemon.md); `agent-backend mcp` serves the tools to an MCP client (docs/mcp.md).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
+pool_app = typer.Typer(
+    help="Pools: the hosts tool calls run on, described by a TOML file (see pools/).",
+    no_args_is_help=True,
+)
+app.add_typer(pool_app, name="pool")
 
 DEFAULT_TOOLS_DIR = Path(__file__).resolve().parents[1] / "schemas" / "tools"
 
@@ -46,6 +61,19 @@ class ToolFormat(StrEnum):
     openai = "openai"
     anthropic = "anthropic"
     mcp = "mcp"
+
+
+PoolFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--pool",
+        help="Pool file (TOML) to run tools on, e.g. pools/local.toml. "
+        "Default: the built-in local pool (this machine).",
+        exists=True,
+        file_okay=True,
+        dir_okay=False,
+    ),
+]
 
 
 def _registry(tools_dir: Path) -> ToolRegistry:
@@ -103,6 +131,282 @@ def prepare_command(
     except ModelFacingError as exc:
         _fail(exc.to_model_message(), code=1)
     typer.echo(json.dumps(prepared.arguments, indent=2, ensure_ascii=False))
+
+
+def _pool_source(pool: Path | None) -> Any:
+    from agent_backend.pool import DEFAULT_POOL
+
+    return DEFAULT_POOL if pool is None else pool
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _banner(url: str, token: Any, registry: ToolRegistry, pool_kind: str, grace: float) -> str:
+    from agent_backend.tokens import TOKEN_ENV
+
+    if token.path is None:
+        where = f"token: from ${TOKEN_ENV}"
+        header = f'-H "Authorization: Bearer ${TOKEN_ENV}"'
+        setup = ""
+    else:
+        made = " (generated now, readable only by you)" if token.origin == "generated" else ""
+        where = f"token: in {token.path}{made}"
+        header = '-H "Authorization: Bearer $TOKEN"'
+        setup = f"  TOKEN=$(cat {shlex.quote(str(token.path))})\n"
+    body = shlex.quote(json.dumps({"name": "exec", "arguments": {"command": "echo hello"}}))
+    return (
+        f"agent-backend daemon on {url} (pool: {pool_kind}, {len(registry)} tools; MCP at {url}/mcp)\n"
+        f"{where}\n"
+        "call it:\n"
+        f"{setup}"
+        f"  curl -s {header} '{url}/v1/tools?format=openai'\n"
+        f"  curl -s {header} -H 'Content-Type: application/json' -d {body} {url}/v1/call\n"
+        f"from Python: agent_backend.Client({url!r}) (docs/daemon.md)\n"
+        f"stop: Ctrl-C or SIGTERM; calls in flight get {grace:g} s to finish"
+    )
+
+
+@app.command("serve")
+def serve_command(
+    pool: PoolFile = None,
+    host: Annotated[
+        str,
+        typer.Option(
+            help="Address to listen on. Anything but loopback needs $AGENT_BACKEND_TOKEN "
+            "or --token-file."
+        ),
+    ] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option(help="TCP port (0: any free port).", min=0, max=65535)
+    ] = 8765,
+    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File with the bearer token (mode 0600). Default: $AGENT_BACKEND_TOKEN, else "
+            "~/.config/agent-backend/token, generated on first start.",
+            dir_okay=False,
+        ),
+    ] = None,
+    grace: Annotated[
+        float,
+        typer.Option(help="Seconds calls in flight get to finish on SIGTERM/SIGINT.", min=0.1),
+    ] = 10.0,
+    max_concurrent: Annotated[
+        int, typer.Option(help="Requests one token may have in flight (more get 429).", min=1)
+    ] = 128,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+) -> None:
+    """Run the HTTP daemon: every tool of --tools-dir, run on --pool, behind a bearer token.
+
+    Routes are under /v1 (OpenAPI at /openapi.json, Prometheus at /metrics, MCP at /mcp).
+    Stops gracefully on SIGTERM or Ctrl-C, exit status 0.
+    """
+    from agent_backend.daemon import DaemonServer, DaemonSettings
+    from agent_backend.dispatch import Dispatcher
+    from agent_backend.pool import load_pool
+    from agent_backend.tokens import is_loopback, load_token
+
+    _logging(log_level)
+    registry = _registry(tools_dir)
+    try:
+        token = load_token(token_file)
+        settings = DaemonSettings(
+            tokens=(token.token,),
+            host=host,
+            port=port,
+            grace=grace,
+            max_concurrent_per_token=max_concurrent,
+        )
+        backend = load_pool(_pool_source(pool))
+    except AgentBackendError as exc:
+        _fail(str(exc), code=3)
+    explicit = token.origin == "env" or token_file is not None
+    if not is_loopback(host) and not explicit:
+        _fail(
+            f"refusing to listen on {host} (not loopback) without a token you chose: "
+            "set AGENT_BACKEND_TOKEN or pass --token-file",
+            code=3,
+        )
+
+    async def main() -> None:
+        async with backend, Dispatcher(registry, backend) as dispatcher:
+            server = DaemonServer(
+                dispatcher, settings, token_explicit=explicit, log_level=log_level
+            )
+            async with anyio.create_task_group() as group:
+                url = await group.start(server.serve)
+                typer.echo(_banner(url, token, registry, backend.kind, grace))
+
+    try:
+        anyio.run(main)
+    except AgentBackendError as exc:
+        _fail(f"{type(exc).__name__}: {exc}", code=3)
+
+
+@app.command("mcp")
+def mcp_command(
+    pool: PoolFile = None,
+    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
+) -> None:
+    """Serve the tools over MCP on stdin/stdout (for an MCP client to launch; see docs/mcp.md)."""
+    from agent_backend.dispatch import Dispatcher
+    from agent_backend.mcp import serve_stdio
+    from agent_backend.pool import load_pool
+
+    _logging(log_level)
+    registry = _registry(tools_dir)
+    try:
+        backend = load_pool(_pool_source(pool))
+    except AgentBackendError as exc:
+        _fail(str(exc), code=3)
+
+    async def main() -> None:
+        async with backend, Dispatcher(registry, backend) as dispatcher:
+            await serve_stdio(dispatcher)
+
+    try:
+        anyio.run(main)
+    except AgentBackendError as exc:
+        _fail(f"{type(exc).__name__}: {exc}", code=3)
+
+
+@app.command("call")
+def call_command(
+    name: Annotated[str, typer.Argument(help="Tool name, e.g. exec.")],
+    arguments: Annotated[
+        str,
+        typer.Argument(help='Arguments as JSON text, e.g. \'{"command": "ls"}\'; - reads stdin.'),
+    ] = "{}",
+    pool: PoolFile = None,
+    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            help="Send the call to a running daemon instead (token: $AGENT_BACKEND_TOKEN "
+            "or the daemon's token file)."
+        ),
+    ] = None,
+    timeout: Annotated[
+        float | None, typer.Option(help="Seconds the tool may run.", min=0.001)
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the whole result as JSON.")
+    ] = False,
+) -> None:
+    """Run one tool call and print its result; exit status 0 if it succeeded, 1 if not.
+
+    The arguments are repaired and checked against the tool's schema first, as
+    for a model's call; a call that cannot run prints the message the model
+    would get.
+    """
+    from agent_backend.dispatch import Dispatcher, ToolResult
+    from agent_backend.pool import load_pool
+
+    text = sys.stdin.read() if arguments == "-" else arguments
+    call = ToolCall("cli", name, text, "openai")
+
+    async def local() -> ToolResult:
+        registry = _registry(tools_dir)
+        async with load_pool(_pool_source(pool)) as backend, Dispatcher(registry, backend) as d:
+            return await d.call(call, timeout=timeout)
+
+    async def remote() -> ToolResult:
+        from agent_backend.client import Client
+
+        async with Client(url) as client:
+            return await client.call(call, timeout=timeout)
+
+    try:
+        result = anyio.run(remote if url else local)
+    except AgentBackendError as exc:
+        _fail(f"{type(exc).__name__}: {exc}", code=3)
+    if as_json:
+        typer.echo(result.model_dump_json(indent=2))
+    else:
+        typer.echo(result.to_model_message())
+        where = f" on {result.host}" if result.host else ""
+        status = f", exit status {result.exit_status}" if result.exit_status is not None else ""
+        state = "ok" if result.ok else (result.error_type or "error")
+        typer.echo(f"[{result.tool}: {state}{status}, {result.duration:.3f} s{where}]", err=True)
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@pool_app.command("check")
+def pool_check_command(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="Pool file (TOML), e.g. pools/local.toml.", exists=True, dir_okay=False
+        ),
+    ],
+    timeout: Annotated[
+        float, typer.Option(help="Seconds each host gets to answer.", min=0.1)
+    ] = 10.0,
+) -> None:
+    """Connect to every host (or actor) of a pool file, run `true` there, and report health.
+
+    Exit status 0 when every host answered, 1 when one did not, 3 for a bad file.
+    """
+    from agent_backend.dispatch import Command
+    from agent_backend.pool import load_pool
+
+    try:
+        backend = load_pool(file)
+    except AgentBackendError as exc:
+        _fail(str(exc), code=3)
+    rows: list[tuple[str, str, str, str]] = []
+
+    async def probe(host: Any) -> None:
+        started = time.perf_counter()
+        try:
+            with anyio.fail_after(timeout + 1):
+                outcome = await host.run(Command(argv=("true",), timeout=timeout))
+        except TimeoutError:
+            rows.append((host.name, "DOWN", "-", f"no answer within {timeout:g} s"))
+            return
+        except AgentBackendError as exc:
+            rows.append((host.name, "DOWN", "-", f"{type(exc).__name__}: {exc}"))
+            return
+        took = f"{(time.perf_counter() - started) * 1000:.1f} ms"
+        if outcome.exit_status == 0:
+            rows.append((host.name, "ok", took, ""))
+        else:
+            detail = f"`true` exited {outcome.exit_status}" + (
+                f" ({outcome.signal})" if outcome.signal else ""
+            )
+            rows.append((host.name, "FAILED", took, detail))
+
+    async def main() -> str:
+        async with backend:
+            async with anyio.create_task_group() as group:
+                for host in backend.hosts:
+                    group.start_soon(probe, host)
+            return repr(backend)
+
+    try:
+        summary = anyio.run(main)
+    except AgentBackendError as exc:
+        _fail(f"{file}: the pool did not start: {type(exc).__name__}: {exc}", code=1)
+    rows.sort()
+    header = ("HOST", "STATUS", "LATENCY", "DETAIL")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    for row in [header, *rows]:
+        typer.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False))
+            + "  "
+            + row[3]
+        )
+    healthy = sum(1 for row in rows if row[1] == "ok")
+    typer.echo(f"{healthy}/{len(rows)} hosts healthy; {summary}")
+    raise typer.Exit(0 if rows and healthy == len(rows) else 1)
 
 
 def main() -> None:

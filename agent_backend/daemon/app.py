@@ -1,0 +1,531 @@
+"""The daemon's ASGI app: versioned JSON routes around one :class:`Dispatcher`.
+
+Routes (all under ``/v1`` but metrics, the OpenAPI document and MCP):
+
+=======  =========================  ==================================================
+GET      /v1/health/live            liveness; the only route without a token
+GET      /v1/health/ready           readiness: the pool has a host up, not draining
+GET      /v1/tools?format=openai    the tool list (openai, anthropic or mcp shape)
+POST     /v1/call                   one call -> ToolResult
+POST     /v1/batch                  independent calls, run concurrently -> results in order
+POST     /v1/sessions               open a session -> {id, host, workspace}
+DELETE   /v1/sessions/{id}          close it
+GET      /metrics                   Prometheus text exposition
+GET      /openapi.json              this API's OpenAPI document
+*        /mcp                       MCP streamable HTTP transport (stateless, JSON)
+=======  =========================  ==================================================
+
+A call's outcome is a :class:`~agent_backend.dispatch.ToolResult` with 200,
+whether the tool succeeded or not (a failed result is the model's business);
+anything else is an :class:`~agent_backend.wire.ErrorBody` with a 4xx/5xx
+(:mod:`agent_backend.daemon.errors`).
+
+Middlewares (pure ASGI), outermost first: bearer auth, body limit,
+per-token concurrency limit, idempotency, the fast path of the two call
+routes; then FastAPI for everything else. This module must never
+close the dispatcher or its pool (the server runner owns them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Literal
+
+import orjson
+import pydantic
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.openapi.utils import get_openapi
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agent_backend.daemon.auth import PRINCIPAL_KEY, BearerAuth
+from agent_backend.daemon.errors import (
+    install_exception_handlers,
+    send_error,
+    status_for,
+    validation_error,
+)
+from agent_backend.daemon.idempotency import Idempotency, IdempotencyStore
+from agent_backend.daemon.limits import BODY_KEY, BodyLimit, ConcurrencyLimit, InFlight
+from agent_backend.daemon.metrics import CONTENT_TYPE, Metrics
+from agent_backend.daemon.sessions import SessionTable
+from agent_backend.daemon.settings import DaemonSettings
+from agent_backend.dispatch import Dispatcher, Session, ToolResult
+from agent_backend.errors import AgentBackendError
+from agent_backend.tools import ToolCall
+from agent_backend.wire import (
+    API_PREFIX,
+    BatchRequest,
+    BatchResponse,
+    CallRequest,
+    ErrorBody,
+    InvalidRequest,
+    Liveness,
+    Readiness,
+    RequestTooLarge,
+    SessionInfo,
+    ToolsResponse,
+    WireCall,
+)
+
+__all__ = ["DaemonApp", "DaemonState", "create_app"]
+
+logger = logging.getLogger("agent_backend.daemon")
+
+_JSON = "application/json"
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in {
+        401: "No bearer token, or a wrong one.",
+        409: "The Idempotency-Key was used for a different request.",
+        413: "The body, or one call's arguments, is too large.",
+        422: "The body is not JSON or does not match the schema.",
+        429: "Too many requests in flight for this token (see Retry-After).",
+        503: "The daemon is shutting down, or a backend is unavailable.",
+    }.items()
+}
+_SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    404: {"model": ErrorBody, "description": "No such session for this token."},
+    410: {"model": ErrorBody, "description": "The session was closed (reaped when idle)."},
+}
+
+
+@dataclasses.dataclass
+class DaemonState:
+    """What the server runner tells the app: whether shutdown has begun."""
+
+    draining: bool = False
+
+
+def _principal(scope: Scope) -> str:
+    return str(scope.get(PRINCIPAL_KEY, ""))
+
+
+def _argument_size(arguments: dict[str, Any] | str) -> int:
+    if isinstance(arguments, str):
+        return len(arguments.encode())
+    try:
+        return len(orjson.dumps(arguments))
+    except orjson.JSONEncodeError:  # integers past 64 bits: the standard library writes them
+        return len(json.dumps(arguments))
+
+
+def _json(model: Any, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status_code=status, media_type=_JSON)
+
+
+class _Routes:
+    """The route handlers, bound to one dispatcher and its daemon's state.
+
+    Each takes the ASGI scope (for the caller's identity and the body's size)
+    and the parsed body, so that FastAPI's routes and the fast path below
+    run the same code.
+    """
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        settings: DaemonSettings,
+        state: DaemonState,
+        metrics: Metrics,
+        sessions: SessionTable,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.settings = settings
+        self.state = state
+        self.metrics = metrics
+        self.sessions = sessions
+
+    def _check_arguments(self, scope: Scope, calls: list[WireCall]) -> None:
+        limit = self.settings.max_argument_bytes
+        if len(scope.get(BODY_KEY, b"")) <= limit:
+            return  # every call's arguments are smaller than the whole body
+        for index, call in enumerate(calls):
+            if _argument_size(call.arguments) > limit:
+                raise RequestTooLarge(
+                    f"the arguments of call {index} ({call.name!r}) are larger than {limit} bytes",
+                    limit=limit,
+                    what="arguments",
+                )
+
+    def _session(self, scope: Scope, session_id: str | None) -> Session | None:
+        if session_id is None:
+            return None
+        return self.sessions.get(_principal(scope), session_id)
+
+    async def call(self, scope: Scope, body: CallRequest) -> bytes:
+        self._check_arguments(scope, [body])
+        session = self._session(scope, body.session)
+        call = ToolCall(body.id or "call_0", body.name, body.arguments, "mcp", body.error)
+        started = time.perf_counter()
+        try:
+            result = await self.dispatcher.call(call, timeout=body.timeout, session=session)
+        except AgentBackendError as exc:
+            self.metrics.observe_error(body.name, exc, time.perf_counter() - started)
+            raise
+        self.metrics.observe(result)
+        return result.__pydantic_serializer__.to_json(result)
+
+    async def batch(self, scope: Scope, body: BatchRequest) -> bytes:
+        if len(body.calls) > self.settings.max_batch:
+            raise InvalidRequest(
+                f"a batch has at most {self.settings.max_batch} calls, not {len(body.calls)}",
+                issues=[{"loc": ["body", "calls"], "msg": "too many calls"}],
+            )
+        self._check_arguments(scope, body.calls)
+        session = self._session(scope, body.session)
+        calls = [
+            ToolCall(c.id or f"call_{i}", c.name, c.arguments, "mcp", c.error)
+            for i, c in enumerate(body.calls)
+        ]
+        started = time.perf_counter()
+        try:
+            results = await self.dispatcher.call_many(calls, timeout=body.timeout, session=session)
+        except AgentBackendError as exc:
+            self.metrics.observe_error(
+                calls[0].name if calls else "", exc, time.perf_counter() - started
+            )
+            raise
+        for result in results:
+            self.metrics.observe(result)
+        return BatchResponse(results=results).model_dump_json().encode()
+
+    async def open_session(self, scope: Scope) -> Response:
+        session = await self.sessions.open(_principal(scope))
+        info = SessionInfo(id=session.id, host=session.host.name, workspace=session.workspace)
+        return _json(info, 201)
+
+    async def close_session(self, scope: Scope, session_id: str) -> Response:
+        await self.sessions.close(_principal(scope), session_id)
+        return Response(status_code=204)
+
+    async def tools(self, fmt: Literal["openai", "anthropic", "mcp"]) -> Response:
+        registry = self.dispatcher.registry
+        exported = {
+            "openai": registry.to_openai,
+            "anthropic": registry.to_anthropic,
+            "mcp": registry.to_mcp,
+        }[fmt]()
+        return _json(ToolsResponse(format=fmt, tools=exported))
+
+    def readiness(self) -> Readiness:
+        pool = self.dispatcher.pool
+        up = sum(1 for host in pool.hosts if host.is_up())
+        reason = None
+        if self.state.draining:
+            reason = "shutting down"
+        elif self.dispatcher.is_closed():
+            reason = "the dispatcher is closed"
+        elif up == 0:
+            reason = f"no {pool.kind} host is up"
+        return Readiness(
+            status="ready" if reason is None else "not ready",
+            backend=pool.kind,
+            hosts_up=up,
+            hosts=len(pool.hosts),
+            draining=self.state.draining,
+            reason=reason,
+        )
+
+
+class _FastCalls:
+    """ASGI middleware: ``POST /v1/call`` and ``/v1/batch`` without FastAPI's per-request work.
+
+    The two routes every rollout worker hits thousands of times a second are
+    answered here: the body (already read by :class:`BodyLimit`) is validated
+    by the same pydantic models in one Rust pass, the same :class:`_Routes`
+    method runs, and errors get the same bodies as FastAPI's handlers give.
+    FastAPI keeps the routes too: they make the OpenAPI document, and a test
+    checks both answer alike (``create_app(..., fast_path=False)``).
+    """
+
+    def __init__(self, app: ASGIApp, *, routes: _Routes) -> None:
+        self.app = app
+        self._handlers: dict[str, Callable[[Scope, bytes], Awaitable[bytes]]] = {
+            f"{API_PREFIX}/call": self._call,
+            f"{API_PREFIX}/batch": self._batch,
+        }
+        self.routes = routes
+
+    async def _call(self, scope: Scope, body: bytes) -> bytes:
+        return await self.routes.call(scope, CallRequest.model_validate_json(body))
+
+    async def _batch(self, scope: Scope, body: bytes) -> bytes:
+        return await self.routes.batch(scope, BatchRequest.model_validate_json(body))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self._handlers.get(scope["path"])
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        try:
+            payload = await handler(scope, scope.get(BODY_KEY, b""))
+        except pydantic.ValidationError as exc:
+            await send_error(send, validation_error(_body_errors(exc)))
+            return
+        except AgentBackendError as exc:
+            if status_for(exc) >= 500:
+                logger.warning("POST %s: %s: %s", scope["path"], type(exc).__name__, exc)
+            await send_error(send, exc)
+            return
+        except Exception:
+            logger.exception("POST %s failed", scope["path"])
+            await send_error(send, AgentBackendError("internal error in the daemon; see its log"))
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _body_errors(exc: pydantic.ValidationError) -> list[dict[str, Any]]:
+    # As FastAPI reports them: the location starts with "body".
+    return [
+        {"loc": ["body", *error["loc"]], "msg": error["msg"]}
+        for error in exc.errors(include_url=False, include_input=False)
+    ]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DaemonApp:
+    """The ASGI app: pure-ASGI middlewares (auth, limits, idempotency, fast calls) around FastAPI."""
+
+    api: FastAPI
+    """The FastAPI app: every route, the OpenAPI document, the exception handlers."""
+    stack: ASGIApp
+    state: DaemonState
+    dispatcher: Dispatcher
+    sessions: SessionTable
+    idempotency: IdempotencyStore
+    metrics: Metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.stack(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        return self.api.openapi()
+
+
+def _mcp_app(dispatcher: Dispatcher, settings: DaemonSettings) -> Any:
+    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from agent_backend.mcp import build_server
+    from agent_backend.tokens import is_loopback
+
+    security = None
+    if is_loopback(settings.host):  # DNS rebinding protection, as the mcp package does
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+        )
+    return StreamableHTTPSessionManager(
+        app=build_server(dispatcher),
+        stateless=True,
+        json_response=True,
+        security_settings=security,
+        max_request_body_size=settings.max_body_bytes,
+    )
+
+
+def create_app(
+    dispatcher: Dispatcher,
+    settings: DaemonSettings,
+    *,
+    state: DaemonState | None = None,
+    fast_path: bool = True,
+) -> DaemonApp:
+    """The daemon's ASGI app for ``dispatcher`` (which the caller opens and closes).
+
+    ``fast_path=False`` leaves ``/v1/call`` and ``/v1/batch`` to FastAPI (for tests).
+    """
+    from agent_backend import __version__
+
+    state = state if state is not None else DaemonState()
+    sessions = SessionTable(dispatcher, max_per_token=settings.max_sessions_per_token)
+    store = IdempotencyStore(
+        ttl=settings.idempotency_ttl,
+        max_entries=settings.idempotency_max_entries,
+        max_bytes=settings.idempotency_max_bytes,
+    )
+
+    def extra_gauges() -> dict[str, float]:
+        idem = store.statistics()
+        return {
+            "idempotency_running": float(idem.running),
+            "idempotency_kept": float(idem.kept),
+            "idempotency_kept_bytes": float(idem.kept_bytes),
+            "idempotency_replays": float(idem.replays),
+            "idempotency_conflicts": float(idem.conflicts),
+            "requests_in_flight": float(in_flight.total()),
+        }
+
+    in_flight = InFlight()
+    metrics = Metrics(dispatcher, extra=extra_gauges)
+    routes = _Routes(dispatcher, settings, state, metrics, sessions)
+    mcp_manager = _mcp_app(dispatcher, settings) if settings.mcp else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            if mcp_manager is not None:
+                async with mcp_manager.run():
+                    yield
+            else:
+                yield
+        finally:
+            state.draining = True
+            await sessions.aclose()
+
+    app = FastAPI(
+        title="agent-backend daemon",
+        version=__version__,
+        summary="Run AI agents' tool calls on a pool of hosts.",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
+    )
+    install_exception_handlers(app)
+
+    v1 = APIRouter(prefix=API_PREFIX)
+
+    @v1.get("/health/live", response_model=Liveness, tags=["health"])
+    async def live() -> Response:
+        """Liveness: the process answers. Needs no token."""
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    @v1.get(
+        "/health/ready",
+        response_model=Readiness,
+        tags=["health"],
+        responses={**_ERRORS, 503: {"model": Readiness, "description": "Not ready."}},
+    )
+    async def ready() -> Response:
+        """Readiness: the pool has a host up and the daemon is not shutting down."""
+        readiness = routes.readiness()
+        return _json(readiness, 200 if readiness.status == "ready" else 503)
+
+    @v1.get("/tools", response_model=ToolsResponse, tags=["tools"], responses=_ERRORS)
+    async def tools(
+        format: Annotated[
+            Literal["openai", "anthropic", "mcp"],
+            Query(description="The provider shape of the tool list."),
+        ] = "openai",
+    ) -> Response:
+        """The tools this daemon runs, in OpenAI, Anthropic or MCP shape."""
+        return await routes.tools(format)
+
+    @v1.post("/call", response_model=ToolResult, tags=["calls"], responses=_SESSION_ERRORS)
+    async def call(request: Request, body: CallRequest) -> Response:
+        """Run one tool call. A failed call is a 200 result with ``ok: false``.
+
+        Send ``Idempotency-Key`` to make retries safe: a retry returns the first result.
+        """
+        return Response(await routes.call(request.scope, body), media_type=_JSON)
+
+    @v1.post("/batch", response_model=BatchResponse, tags=["calls"], responses=_SESSION_ERRORS)
+    async def batch(request: Request, body: BatchRequest) -> Response:
+        """Run independent calls concurrently; the results come back in call order."""
+        return Response(await routes.batch(request.scope, body), media_type=_JSON)
+
+    @v1.post(
+        "/sessions",
+        response_model=SessionInfo,
+        status_code=201,
+        tags=["sessions"],
+        responses=_ERRORS,
+    )
+    async def open_session(request: Request) -> Response:
+        """Open a session: a private workspace on one host that later calls can name."""
+        return await routes.open_session(request.scope)
+
+    @v1.delete(
+        "/sessions/{session_id}",
+        status_code=204,
+        response_class=Response,
+        tags=["sessions"],
+        responses=_SESSION_ERRORS,
+    )
+    async def close_session(request: Request, session_id: str) -> Response:
+        """Close a session: its calls are ended, its workspace removed."""
+        return await routes.close_session(request.scope, session_id)
+
+    app.include_router(v1)
+
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        tags=["health"],
+        responses={200: {"content": {CONTENT_TYPE: {}}}, **_ERRORS},
+    )
+    async def prometheus() -> Response:
+        """Prometheus metrics (text exposition format)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    if mcp_manager is not None:
+        from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
+
+        # An ASGI app (not a function) as endpoint: Starlette passes every method through.
+        app.router.routes.append(Route("/mcp", endpoint=StreamableHTTPASGIApp(mcp_manager)))
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, summary=app.summary, routes=app.routes
+            )
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            schema["security"] = [{"bearer": []}]
+            schema["paths"][f"{API_PREFIX}/health/live"]["get"]["security"] = []
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+    # Pure ASGI, outermost first; the hot routes never reach FastAPI (see _FastCalls).
+    inner: ASGIApp = _FastCalls(app, routes=routes) if fast_path else app
+    stack: ASGIApp = BearerAuth(
+        BodyLimit(
+            ConcurrencyLimit(
+                Idempotency(
+                    inner,
+                    store=store,
+                    max_response_bytes=min(settings.idempotency_max_bytes, 16 << 20),
+                ),
+                limit=settings.max_concurrent_per_token,
+                retry_after=settings.retry_after,
+                draining=lambda: state.draining,
+                in_flight=in_flight,
+            ),
+            max_bytes=settings.max_body_bytes,
+        ),
+        tokens=settings.tokens,
+    )
+    return DaemonApp(
+        api=app,
+        stack=stack,
+        state=state,
+        dispatcher=dispatcher,
+        sessions=sessions,
+        idempotency=store,
+        metrics=metrics,
+    )

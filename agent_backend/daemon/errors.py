@@ -1,0 +1,177 @@
+"""Errors over the wire: every failure becomes a JSON :class:`~agent_backend.wire.ErrorBody`.
+
+One table says which HTTP status each error of the tree gets. Client mistakes
+are 4xx and nothing else: a body that does not parse or match is 422, an
+unknown route 404, a closed session 410. Infrastructure failures are 5xx:
+a backend that cannot be reached is 503, one that lost a call 502, one that
+did not come back in time 504. A bug is a 500 whose body says nothing of
+the daemon's internals (the traceback goes to the log).
+
+The same body is written by the FastAPI exception handlers (errors raised in
+routes) and by the pure ASGI middlewares (refusals before a route runs).
+This module must never put a traceback, a token or a whole request into a body.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+from starlette.types import Send
+
+from agent_backend.errors import (
+    AgentBackendError,
+    BackendError,
+    BackendUnavailable,
+    ConfigError,
+    ModelFacingError,
+    PoolClosed,
+    ResourceUnavailable,
+    SchemaError,
+    ToolFailed,
+    ToolTimeout,
+    clip,
+)
+from agent_backend.wire import (
+    DaemonError,
+    ErrorBody,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    RateLimited,
+    error_to_wire,
+)
+
+__all__ = [
+    "error_body",
+    "error_response",
+    "install_exception_handlers",
+    "send_error",
+    "status_for",
+    "validation_error",
+]
+
+logger = logging.getLogger("agent_backend.daemon")
+
+# Most validation issues reported for one request (the rest are counted).
+_MAX_ISSUES = 20
+
+# Most specific first: the first class in the tuple that matches wins.
+_STATUS: Sequence[tuple[type[AgentBackendError], int]] = (
+    (ModelFacingError, 422),
+    (PoolClosed, 410),
+    (ToolTimeout, 504),
+    (BackendUnavailable, 503),
+    (ResourceUnavailable, 503),
+    (BackendError, 502),
+    (ToolFailed, 502),
+    (ConfigError, 500),
+    (SchemaError, 500),
+)
+
+
+def status_for(exc: AgentBackendError) -> int:
+    """The HTTP status that ``exc`` is answered with."""
+    if isinstance(exc, DaemonError):
+        return exc.status
+    for cls, status in _STATUS:
+        if isinstance(exc, cls):
+            return status
+    return 500
+
+
+def error_body(exc: AgentBackendError) -> bytes:
+    return ErrorBody(error=error_to_wire(exc)).model_dump_json().encode()
+
+
+def _headers(exc: AgentBackendError) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if isinstance(exc, RateLimited):
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if status_for(exc) == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
+
+
+def error_response(exc: AgentBackendError) -> Response:
+    return Response(
+        error_body(exc),
+        status_code=status_for(exc),
+        media_type="application/json",
+        headers=_headers(exc),
+    )
+
+
+async def send_error(send: Send, exc: AgentBackendError) -> None:
+    """Answer a raw ASGI request with ``exc``'s error body (for middlewares)."""
+    body = error_body(exc)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in _headers(exc).items()]
+    await send({"type": "http.response.start", "status": status_for(exc), "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _issues(errors: Iterable[Any]) -> list[dict[str, Any]]:
+    issues: list[dict[str, Any]] = []
+    for error in errors:
+        if not isinstance(error, dict):
+            continue
+        location = [
+            part if isinstance(part, (int, str)) else str(part) for part in error.get("loc", ())
+        ]
+        # The input itself is left out: it may be large, and the client has it.
+        issues.append({"loc": location, "msg": clip(str(error.get("msg", "")), 300)})
+    return issues
+
+
+def validation_error(errors: Sequence[Any]) -> InvalidRequest:
+    issues = _issues(errors)
+    shown = issues[:_MAX_ISSUES]
+    first = shown[0] if shown else {"loc": [], "msg": "invalid request"}
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    more = f" (and {len(issues) - 1} more)" if len(issues) > 1 else ""
+    return InvalidRequest(f"{where}: {first['msg']}{more}", issues=shown)
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Make every error a route raises an :class:`ErrorBody` with the right status."""
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return error_response(validation_error(exc.errors()))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        error: DaemonError
+        if exc.status_code == 404:
+            error = NotFound(f"no route {clip(request.url.path, 200)}")
+        elif exc.status_code == 405:
+            error = MethodNotAllowed(
+                f"{request.method} is not allowed on {clip(request.url.path, 200)}"
+            )
+        else:
+            error = DaemonError(clip(str(exc.detail), 500), status=exc.status_code)
+        return error_response(error)
+
+    async def on_agent_backend(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, AgentBackendError)
+        status = status_for(exc)
+        if status >= 500:
+            logger.warning(
+                "%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc
+            )
+        return error_response(exc)
+
+    async def on_bug(request: Request, exc: Exception) -> Response:
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return error_response(AgentBackendError("internal error in the daemon; see its log"))
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(AgentBackendError, on_agent_backend)
+    app.add_exception_handler(Exception, on_bug)

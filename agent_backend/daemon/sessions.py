@@ -1,0 +1,88 @@
+"""The daemon's sessions: :class:`~agent_backend.dispatch.Session`\\ s by id, owned by a token.
+
+A session opened with one token is invisible to every other token (404, as
+if it did not exist). Each token may hold ``max_per_token`` sessions; a
+session the dispatcher reaped for idleness is forgotten on next sight and
+answered with :class:`~agent_backend.errors.PoolClosed` (410) once, then 404.
+This module must never hand one token's session to another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import anyio
+
+from agent_backend.dispatch import Dispatcher, Session
+from agent_backend.errors import PoolClosed
+from agent_backend.wire import NotFound, TooManySessions
+
+__all__ = ["SessionTable"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Owned:
+    session: Session
+    principal: str
+
+
+class SessionTable:
+    def __init__(self, dispatcher: Dispatcher, *, max_per_token: int) -> None:
+        self.dispatcher = dispatcher
+        self.max_per_token = max_per_token
+        self._sessions: dict[str, _Owned] = {}
+        self._opening: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"<SessionTable [sessions: {len(self._sessions)} | opening: {sum(self._opening.values())}]>"
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def _count(self, principal: str) -> int:
+        for sid, owned in list(self._sessions.items()):
+            if owned.session.is_closed():
+                del self._sessions[sid]
+        owned_now = sum(1 for owned in self._sessions.values() if owned.principal == principal)
+        return owned_now + self._opening.get(principal, 0)
+
+    async def open(self, principal: str) -> Session:
+        if self._count(principal) >= self.max_per_token:
+            raise TooManySessions(
+                f"this token has {self.max_per_token} sessions open; close one first",
+                limit=self.max_per_token,
+            )
+        self._opening[principal] = self._opening.get(principal, 0) + 1
+        try:
+            session = self.dispatcher.session()
+            await session.open()
+        finally:
+            self._opening[principal] -= 1
+            if not self._opening[principal]:
+                del self._opening[principal]
+        self._sessions[session.id] = _Owned(session, principal)
+        return session
+
+    def get(self, principal: str, session_id: str) -> Session:
+        owned = self._sessions.get(session_id)
+        if owned is None or owned.principal != principal:
+            raise NotFound(f"no session {session_id!r}; open one with POST /v1/sessions")
+        if owned.session.is_closed():
+            del self._sessions[session_id]
+            raise PoolClosed(f"session {session_id!r} was closed (idle too long); open a new one")
+        return owned.session
+
+    async def close(self, principal: str, session_id: str) -> None:
+        owned = self._sessions.get(session_id)
+        if owned is None or owned.principal != principal:
+            raise NotFound(f"no session {session_id!r}")
+        del self._sessions[session_id]
+        await owned.session.aclose()
+
+    async def aclose(self) -> None:
+        """Close every session (concurrently); idempotent."""
+        owned, self._sessions = list(self._sessions.values()), {}
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for item in owned:
+                    group.start_soon(item.session.aclose)

@@ -1,0 +1,230 @@
+"""The daemon's routes on a real uvicorn: health, tools, calls, batches, sessions, metrics, errors."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
+
+from agent_backend.daemon import DaemonSettings, create_app
+from agent_backend.dispatch import Dispatcher
+from agent_backend.pool import DEFAULT_POOL, load_pool
+
+
+def test_liveness_needs_no_token(daemon: Daemon) -> None:
+    response = httpx.get(f"{daemon.url}/v1/health/live")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_readiness_reflects_the_pool(daemon: Daemon) -> None:
+    with daemon.http() as http:
+        response = http.get("/v1/health/ready")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["status"] == "ready"
+    assert body["backend"] == "local"
+    assert body["hosts_up"] == body["hosts"] == 1
+    assert body["draining"] is False
+
+
+@pytest.mark.parametrize(
+    ("fmt", "key"), [("openai", "function"), ("anthropic", "input_schema"), ("mcp", "inputSchema")]
+)
+def test_tools_in_each_provider_shape(daemon: Daemon, fmt: str, key: str) -> None:
+    with daemon.http() as http:
+        response = http.get("/v1/tools", params={"format": fmt})
+    assert response.status_code == 200
+    body = response.json()
+    assert body["format"] == fmt
+    assert all(key in tool for tool in body["tools"])
+    assert len(body["tools"]) == len(make_registry())
+
+
+def test_a_call_and_its_failures_are_results(daemon: Daemon) -> None:
+    with daemon.http() as http:
+        ok = http.post("/v1/call", json={"name": "echo", "arguments": {"value": "hi"}, "id": "c1"})
+        failed = http.post("/v1/call", json={"name": "exec", "arguments": {"command": "exit 3"}})
+        unknown = http.post("/v1/call", json={"name": "nope"})
+        repaired = http.post(
+            "/v1/call", json={"name": "tally", "arguments": '{"key": "r", "delay": "0"}'}
+        )
+        bad = http.post("/v1/call", json={"name": "tally", "arguments": '{"key": '})
+    assert ok.status_code == 200
+    assert ok.json() | {"duration": 0} == {
+        "call_id": "c1",
+        "tool": "echo",
+        "ok": True,
+        "output": "hi",
+        "exit_status": None,
+        "duration": 0,
+        "truncated": False,
+        "output_bytes": 2,
+        "error": None,
+        "error_type": None,
+        "host": None,
+    }
+    assert failed.status_code == 200
+    assert failed.json()["error_type"] == "NonZeroExit"
+    assert failed.json()["exit_status"] == 3
+    assert unknown.json()["error_type"] == "UnknownToolError"
+    assert repaired.json()["ok"] is True  # "0" was repaired to a number
+    assert bad.json()["error_type"] == "ToolArgumentError"  # never run with {}
+
+
+def test_a_batch_runs_concurrently_and_answers_in_order(daemon: Daemon) -> None:
+    calls = [{"name": "pause", "arguments": {"seconds": 0.4}, "id": f"p{i}"} for i in range(4)]
+    calls.insert(2, {"name": "echo", "arguments": {"value": "middle"}})
+    with daemon.http() as http:
+        started = time.perf_counter()
+        response = http.post("/v1/batch", json={"calls": calls})
+        took = time.perf_counter() - started
+    assert response.status_code == 200
+    results = response.json()["results"]
+    assert [r["call_id"] for r in results] == ["p0", "p1", "call_2", "p2", "p3"]
+    assert results[2]["output"] == "middle"
+    assert took < 1.2, "four 0.4 s calls ran one after another"
+
+
+def test_a_session_keeps_its_workspace_and_is_private_to_its_token(daemon: Daemon) -> None:
+    with daemon.http() as http, daemon.http(OTHER_TOKEN) as other:
+        opened = http.post("/v1/sessions")
+        assert opened.status_code == 201
+        session = opened.json()
+        sid = session["id"]
+        write = http.post(
+            "/v1/call",
+            json={
+                "name": "write_file",
+                "arguments": {"path": "a.txt", "content": "kept"},
+                "session": sid,
+            },
+        )
+        assert write.json()["ok"], write.json()
+        read = http.post(
+            "/v1/batch",
+            json={"calls": [{"name": "read_file", "arguments": {"path": "a.txt"}}], "session": sid},
+        )
+        assert read.json()["results"][0]["output"] == "kept"
+        stranger = other.post(
+            "/v1/call", json={"name": "echo", "arguments": {"value": "x"}, "session": sid}
+        )
+        assert stranger.status_code == 404
+        assert stranger.json()["error"]["type"] == "NotFound"
+        assert other.delete(f"/v1/sessions/{sid}").status_code == 404
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+        gone = http.post(
+            "/v1/call", json={"name": "echo", "arguments": {"value": "x"}, "session": sid}
+        )
+        assert gone.status_code == 404
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 404
+
+
+def test_a_reaped_session_is_410_once_then_404() -> None:
+    with start_daemon(session_ttl=0.3, mcp=False) as short, short.http() as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        call = {"name": "echo", "arguments": {"value": "x"}, "session": sid}
+        assert http.post("/v1/call", json=call).status_code == 200
+        time.sleep(1.0)
+        reaped = http.post("/v1/call", json=call)
+        assert reaped.status_code == 410
+        assert reaped.json()["error"]["type"] == "PoolClosed"
+        assert http.post("/v1/call", json=call).status_code == 404
+
+
+def test_client_mistakes_get_4xx_json(daemon: Daemon) -> None:
+    with daemon.http() as http:
+        cases = {
+            "no route": http.get("/v2/nothing"),
+            "method": http.get("/v1/call"),
+            "not json": http.post(
+                "/v1/call", content=b"{not json", headers={"content-type": "application/json"}
+            ),
+            "missing name": http.post("/v1/call", json={"arguments": {}}),
+            "extra key": http.post("/v1/call", json={"name": "echo", "nme": 1}),
+            "bad timeout": http.post("/v1/call", json={"name": "echo", "timeout": -1}),
+            "batch not a list": http.post("/v1/batch", json={"calls": {}}),
+            "bad format": http.get("/v1/tools", params={"format": "xml"}),
+        }
+    for what, response in cases.items():
+        assert 400 <= response.status_code < 500, what
+        error = response.json()["error"]
+        assert error["type"] in {"NotFound", "MethodNotAllowed", "InvalidRequest"}, what
+        assert error["message"], what
+    assert cases["missing name"].json()["error"]["fields"]["issues"][0]["loc"] == ["body", "name"]
+
+
+def test_openapi_lists_the_routes_and_needs_a_token(daemon: Daemon) -> None:
+    assert httpx.get(f"{daemon.url}/openapi.json").status_code == 401
+    with daemon.http() as http:
+        document = http.get("/openapi.json").json()
+    assert set(document["paths"]) == {
+        "/v1/health/live",
+        "/v1/health/ready",
+        "/v1/tools",
+        "/v1/call",
+        "/v1/batch",
+        "/v1/sessions",
+        "/v1/sessions/{session_id}",
+        "/metrics",
+    }
+    assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+    assert document["paths"]["/v1/health/live"]["get"]["security"] == []
+
+
+def test_metrics_count_calls_errors_and_pool_state(daemon: Daemon) -> None:
+    with daemon.http() as http:
+        http.post("/v1/call", json={"name": "echo", "arguments": {"value": "m"}})
+        http.post("/v1/call", json={"name": "exec", "arguments": {"command": "exit 2"}})
+        http.post("/v1/call", json={"name": "no-such-tool-xyz"})
+        response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    text = response.text
+    assert 'agent_backend_calls_total{backend="local",outcome="ok",tool="echo"}' in text
+    assert 'agent_backend_call_errors_total{backend="local",type="NonZeroExit"}' in text
+    assert 'tool="(unknown)"' in text
+    assert "no-such-tool-xyz" not in text
+    assert (
+        'agent_backend_call_duration_seconds_bucket{backend="local",le="0.001",tool="echo"}' in text
+    )
+    assert 'agent_backend_pool_hosts_up{backend="local"} 1.0' in text
+    assert 'agent_backend_pool_calls_active{backend="local"}' in text
+    assert "agent_backend_idempotency_kept" in text
+    assert "_created" not in text
+
+
+@pytest.mark.anyio
+async def test_fast_path_answers_like_fastapi() -> None:
+    """The two hot routes skip FastAPI; with fast_path=False FastAPI answers them. Same bytes."""
+    bodies = [
+        {"name": "echo", "arguments": {"value": "same"}, "id": "x"},
+        {"name": "echo", "arguments": '{"value": 5}', "id": "y"},
+        {"name": "nope", "id": "z"},
+        {"nam": "echo"},
+        {"name": "echo", "timeout": 0},
+    ]
+    token = "parity-token-" + "c" * 20
+    settings = DaemonSettings(tokens=(token,), mcp=False)
+    answers: dict[bool, list[tuple[int, object]]] = {}
+    async with load_pool(DEFAULT_POOL) as pool, Dispatcher(make_registry(), pool) as dispatcher:
+        for fast in (True, False):
+            app = create_app(dispatcher, settings, fast_path=fast)
+            transport = httpx.ASGITransport(app=app)
+            headers = {"Authorization": f"Bearer {token}"}
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://t", headers=headers
+            ) as http:
+                answers[fast] = []
+                for body in bodies:
+                    for path in ("/v1/call", "/v1/batch"):
+                        payload = body if path == "/v1/call" else {"calls": [body]}
+                        response = await http.post(path, json=payload)
+                        data = response.json()
+                        for result in data.get("results", [data]):
+                            if isinstance(result, dict):
+                                result.pop("duration", None)
+                        answers[fast].append((response.status_code, data))
+    assert answers[True] == answers[False]

@@ -1,0 +1,90 @@
+"""MCP with the mcp package's own client: `agent-backend mcp` over stdio, and the daemon's /mcp."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import mcp
+import pytest
+from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
+from mcp.client.streamable_http import streamable_http_client
+
+from agent_backend.dispatch import ToolResult
+from agent_backend.mcp import call_result
+
+pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _text(result: Any) -> str:
+    return "".join(block.text for block in result.content if block.type == "text")
+
+
+async def _exercise(client: mcp.Client, expected_tools: set[str]) -> None:
+    listed = await client.list_tools()
+    names = {tool.name for tool in listed.tools}
+    assert names >= expected_tools
+    exec_tool = next(tool for tool in listed.tools if tool.name == "exec")
+    assert exec_tool.input_schema["properties"]["command"]["type"] == "string"
+
+    ok = await client.call_tool("exec", {"command": "echo from-mcp"})
+    assert not ok.is_error
+    assert _text(ok) == "from-mcp\n"
+
+    failed = await client.call_tool("exec", {"command": "echo partial; exit 7"})
+    assert failed.is_error
+    assert "exited with status 7" in _text(failed)
+    assert "partial" in _text(failed)
+    assert failed.structured_content is not None
+    assert failed.structured_content["error_type"] == "NonZeroExit"
+
+    bad = await client.call_tool("exec", {"command": 5, "argv": "not a list"})
+    assert bad.is_error
+    assert "Invalid arguments" in _text(bad)
+
+    unknown = await client.call_tool("no_such_tool", {})
+    assert unknown.is_error
+    assert "Unknown tool" in _text(unknown)
+
+
+async def test_stdio() -> None:
+    server = mcp.StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "agent_backend.cli", "mcp", "--tools-dir", str(ROOT / "schemas" / "tools")],
+        cwd=str(ROOT),
+    )
+    async with mcp.Client(server) as client:
+        await _exercise(client, {"exec", "read_file", "write_file", "list_dir"})
+
+
+async def test_streamable_http_on_the_daemon(daemon: Daemon) -> None:
+    async with httpx2.AsyncClient(headers=daemon.headers(), timeout=30) as http:
+        transport = streamable_http_client(f"{daemon.url}/mcp", http_client=http)
+        async with mcp.Client(transport) as client:
+            await _exercise(client, {"exec", "echo", "tally"})
+            echoed = await client.call_tool("echo", {"value": "over http"})
+            assert _text(echoed) == "over http"
+
+
+async def test_streamable_http_needs_the_token(daemon: Daemon) -> None:
+    async with httpx2.AsyncClient(timeout=30) as http:
+        response = await http.post(
+            f"{daemon.url}/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            headers={"Accept": "application/json, text/event-stream"},
+        )
+    assert response.status_code == 401
+
+
+def test_results_map_to_mcp_results() -> None:
+    ok = call_result(ToolResult(call_id="c", tool="t", ok=True, output=""))
+    assert not ok.is_error
+    assert ok.content[0].text == "(no output)"
+    failed = call_result(
+        ToolResult.failure(call_id="c", tool="t", error="it broke", error_type="ToolError")
+    )
+    assert failed.is_error
+    assert failed.content[0].text == "Error: it broke"

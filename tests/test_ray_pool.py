@@ -378,3 +378,10 @@ async def test_joined_cluster_survives_and_local_ray_is_shut_down(
     # ...while the cluster it joined still runs.
     assert ray.get(ray.put("alive")) == "alive"
     assert ray.cluster_resources()["GPU"] == 2
+
+
+def test_local_ray_listens_on_loopback_only(ray_cluster: RayCluster) -> None:
+    """Tests talk only to 127.0.0.1: the local cluster must not bind the machine's address."""
+    ray = require_ray()
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+    assert ray.util.get_node_ip_address() == "127.0.0.1"

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import threading
 import time
 import uuid
@@ -137,6 +138,21 @@ class RayToolConfig(pydantic.BaseModel):
 
 def _tool_entry(value: object) -> object:
     return {"function": value} if isinstance(value, str) else value
+
+
+def _loopback_only() -> None:
+    """Make a Ray that this pool starts itself listen and talk on 127.0.0.1 only.
+
+    Ray binds a single-node cluster to the machine's primary address unless
+    told it is not a cluster; a laptop or CI run has no reason to expose its
+    GCS and raylet beyond loopback. Workers inherit the environment variable;
+    the driver's already-imported constant is set too. A joined cluster
+    (``address`` set) is left as its operator configured it.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 class LocalRayConfig(pydantic.BaseModel):
@@ -903,6 +919,7 @@ class _Connection:
                 ray.init(address=config.address, log_to_driver=config.log_to_driver)
             else:
                 local = config.local
+                _loopback_only()
                 ray.init(
                     num_cpus=local.num_cpus,
                     num_gpus=local.num_gpus,

@@ -62,6 +62,20 @@ def test_acquire_prefers_least_loaded_then_oldest() -> None:
     )
 
 
+def test_pack_fills_the_busiest_resource_with_room_first() -> None:
+    table, _ = make()
+    a, b, c = Res("a"), Res("b"), Res("c")
+    for r in (a, b, c):
+        table.add(r, capacity=2)
+    first = table.acquire_on(b, object())
+    got = [table.acquire(object(), pack=True) for _ in range(5)]
+    assert [lease.resource if lease else None for lease in got] == [b, a, a, c, c]
+    table.release(first)
+    lease = table.acquire(object(), pack=True)
+    assert lease is not None
+    assert lease.resource is b  # the only one with room
+
+
 def test_identity_not_equality_is_the_key() -> None:
     table, _ = make()
     a1, a2 = Res("a"), Res("a")
@@ -276,19 +290,23 @@ class LeaseTableMachine(RuleBasedStateMachine):
         self.idle_since[id(resource)] = self.clock.now
         return resource
 
-    @rule(target=leases)
-    def acquire(self) -> Lease[Res] | None:
+    @rule(target=leases, pack=st.booleans())
+    def acquire(self, pack: bool) -> Lease[Res] | None:
         if self.closed:
             with pytest.raises(PoolClosed):
-                self.table.acquire(object())
+                self.table.acquire(object(), pack=pack)
             return None
-        lease = self.table.acquire(object())
+        lease = self.table.acquire(object(), pack=pack)
         free = [r for r in self.registered.values() if self.held(r) < self.capacity[id(r)]]
         if lease is None:
             assert free == []
             return None
-        assert lease.resource in free or any(lease.resource is r for r in free)
-        assert self.held(lease.resource) == min(self.held(r) for r in free)
+        assert any(lease.resource is r for r in free)
+        pick = max if pack else min
+        expected = pick(self.held(r) for r in free)
+        assert self.held(lease.resource) == expected
+        # ties go to the oldest resource
+        assert lease.resource is next(r for r in free if self.held(r) == expected)
         self.active[lease.token] = lease
         return lease
 

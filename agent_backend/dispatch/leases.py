@@ -133,15 +133,22 @@ class LeaseTable(Generic[R]):
 
     # -- leasing -------------------------------------------------------------
 
-    def acquire(self, owner: object) -> Lease[R] | None:
-        """A lease on the least-loaded registered resource with free capacity, else None."""
+    def acquire(self, owner: object, *, pack: bool = False) -> Lease[R] | None:
+        """A lease on the least-loaded registered resource with free capacity, else None.
+
+        With ``pack``, the *most*-loaded one that still has room: resources fill up
+        before load spreads, so that surplus ones go idle (and are reaped). Ties go
+        to the oldest resource either way.
+        """
         if self._closed:
             raise PoolClosed("lease table is closed")
         best: _Entry[R] | None = None
         for entry in self._entries.values():
-            if entry.leases < entry.capacity and (best is None or entry.leases < best.leases):
+            if entry.leases >= entry.capacity:
+                continue
+            if best is None or (entry.leases > best.leases if pack else entry.leases < best.leases):
                 best = entry
-                if entry.leases == 0:
+                if not pack and entry.leases == 0:
                     break
         if best is None:
             return None

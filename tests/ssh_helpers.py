@@ -1,0 +1,70 @@
+"""Helpers for the SSH backend tests: a backend for test sshd servers, remote process checks."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from sshd import SSHServer
+
+from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig
+from agent_backend.dispatch.backend import Command
+
+_unique = itertools.count(1)
+
+
+def backend_for(*servers: SSHServer, **overrides: Any) -> SSHBackend:
+    """An SSH backend over ``servers`` (same settings for each), host keys verified."""
+    close_timeout = overrides.pop("close_timeout", 10.0)
+    hosts = [SSHHostConfig(**server.client_options(**overrides)) for server in servers]
+    return SSHBackend.from_config(SSHPoolConfig(hosts=tuple(hosts), close_timeout=close_timeout))
+
+
+def unique_duration(base: int = 30) -> str:
+    """A sleep duration no other process on this machine uses: ``pgrep -f`` finds only ours."""
+    return f"{base}.{os.getpid() % 1000:03d}{next(_unique):04d}"
+
+
+def sleep_command(duration: str, *, timeout: float = 20.0) -> Command:
+    return Command(argv=("sleep", duration), timeout=timeout)
+
+
+def processes_matching(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True, check=False)
+    return [int(pid) for pid in out.stdout.split()]
+
+
+async def wait_until(predicate: Callable[[], bool], *, within: float, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + within
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        await anyio.sleep(step)
+
+
+async def no_process_left(pattern: str, *, within: float = 5.0) -> list[int]:
+    """Poll until no process matches ``pattern``; the survivors if some remain."""
+    left: list[int] = []
+
+    def gone() -> bool:
+        nonlocal left
+        left = processes_matching(pattern)
+        return not left
+
+    await wait_until(gone, within=within, step=0.05)
+    return left
+
+
+def kill_leftovers(pattern: str) -> None:
+    """Test hygiene after a failed assertion: end our own stray sleeps (found by their unique argv)."""
+    for pid in processes_matching(pattern):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)

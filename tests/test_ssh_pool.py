@@ -1,0 +1,411 @@
+"""The SSH backend against a real OpenSSH sshd on 127.0.0.1: commands, files, pooling, lifecycle."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+from ssh_helpers import (
+    backend_for,
+    kill_leftovers,
+    no_process_left,
+    sleep_command,
+    unique_duration,
+    wait_until,
+)
+from sshd import SSHServer
+
+from agent_backend.backends.ssh import SSHBackend, SSHHost
+from agent_backend.dispatch.backend import Command
+from agent_backend.dispatch.leases import Lease
+from agent_backend.errors import (
+    BackendUnavailable,
+    ConfigError,
+    LeaseError,
+    PoolClosed,
+    PoolError,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+def ssh_connection_of(output: bytes) -> tuple[str, int]:
+    """(server address, server port) from ``$SSH_CONNECTION``."""
+    _client, _cport, server, sport = output.decode().split()
+    return server, int(sport)
+
+
+async def test_runs_argv_and_shell_commands(sshd: SSHServer) -> None:
+    async with backend_for(sshd) as backend:
+        host = backend.hosts[0]
+        with anyio.fail_after(10):
+            argv = await host.run(
+                Command(
+                    argv=("printf", "%s|", "a b", "it's", "$HOME", "`id`", ";", "*", ""), timeout=5
+                )
+            )
+            shell = await host.run(Command(shell="echo out; echo err >&2; exit 3", timeout=5))
+            keyword = await host.run(Command(argv=("if",), timeout=5))
+        assert argv.exit_status == 0
+        assert argv.stdout.data == b"a b|it's|$HOME|`id`|;|*||"
+        assert argv.stderr.data == b""  # the pid marker is taken off stderr
+        assert argv.host == f"{sshd.user}@127.0.0.1:{sshd.port}"
+        assert (shell.exit_status, shell.stdout.data, shell.stderr.data) == (3, b"out\n", b"err\n")
+        assert keyword.exit_status == 127  # a program named "if", not shell syntax
+
+
+async def test_env_cwd_and_stdin(sshd: SSHServer) -> None:
+    async with backend_for(sshd, env={"POOL_VAR": "from pool", "SHARED": "pool"}) as backend:
+        host = backend.hosts[0]
+        with anyio.fail_after(10):
+            ws = await host.make_workspace()
+            result = await host.run(
+                Command(
+                    shell='pwd; echo "$POOL_VAR|$SHARED|$CALL_VAR"; wc -c',
+                    env={"CALL_VAR": "x y'z", "SHARED": "call"},
+                    cwd=ws,
+                    stdin=b"z" * 1_000_000,
+                    timeout=10,
+                )
+            )
+            missing = await host.run(Command(argv=("true",), cwd=ws + "/nope", timeout=5))
+            no_input = await host.run(Command(argv=("cat",), timeout=5))  # stdin is empty, not open
+            empty_input = await host.run(Command(argv=("wc", "-c"), stdin=b"", timeout=5))
+        assert result.stdout.text().splitlines() == [ws, "from pool|call|x y'z", "1000000"]
+        assert missing.exit_status == 127
+        assert (no_input.exit_status, no_input.stdout.data) == (0, b"")
+        assert (empty_input.exit_status, empty_input.stdout.data.strip()) == (0, b"0")
+        with pytest.raises(ValueError, match="environment variable"):
+            await host.run(Command(argv=("true",), env={"BAD-NAME": "1"}, timeout=5))
+
+
+async def test_output_is_bounded_head_and_tail(sshd: SSHServer) -> None:
+    async with backend_for(sshd) as backend:
+        with anyio.fail_after(20):
+            result = await backend.hosts[0].run(
+                Command(
+                    shell="printf start; head -c 5000000 /dev/zero; printf end",
+                    output_limit=1000,
+                    timeout=15,
+                )
+            )
+        assert result.stdout.truncated
+        assert result.stdout.total_bytes == 5_000_008
+        assert result.stdout.data.startswith(b"start")
+        assert result.stdout.data.endswith(b"end")
+        assert len(result.stdout.data) < 1100
+
+
+async def test_file_operations_and_workspaces(sshd: SSHServer) -> None:
+    async with backend_for(sshd) as backend:
+        host = backend.hosts[0]
+        with anyio.fail_after(20):
+            ws = await host.make_workspace()
+            assert ws.startswith("/tmp/agent-backend/ws.")
+            assert (await anyio.Path(ws).stat()).st_mode & 0o777 == 0o700
+            await host.write_file(f"{ws}/a.txt", b"hello\x00world")
+            await host.write_file(f"{ws}/a.txt", b"replaced")
+            assert (await host.read_file(f"{ws}/a.txt", limit=4)).data == b"repl"
+            assert (await host.read_file(f"{ws}/a.txt", limit=100)).size == 8
+            await anyio.Path(ws, "sub").mkdir()
+            await anyio.Path(ws, "link").symlink_to("/etc")
+            entries = await host.list_dir(ws)
+            assert [(e.name, e.kind, e.size) for e in entries] == [
+                ("a.txt", "file", 8),
+                ("link", "symlink", 0),
+                ("sub", "dir", 0),
+            ]
+            assert await host.realpath(f"{ws}/sub/../link/x") == "/etc/x"
+            with pytest.raises(FileNotFoundError):
+                await host.read_file(f"{ws}/nope", limit=10)
+            with pytest.raises(IsADirectoryError):
+                await host.read_file(f"{ws}/sub", limit=10)
+            with pytest.raises(FileNotFoundError):
+                await host.write_file(f"{ws}/no/such/dir/f", b"x")
+            with pytest.raises(NotADirectoryError):
+                await host.list_dir(f"{ws}/a.txt")
+            with pytest.raises(ValueError, match="absolute"):
+                await host.read_file("relative", limit=1)
+            other = await host.make_workspace()
+            assert host.workspaces() == {ws, other}
+            await host.remove_workspace(ws)
+            await host.remove_workspace("/etc")  # not ours: left alone
+            assert not await anyio.Path(ws).exists()
+            assert await anyio.Path("/etc").exists()
+    assert not await anyio.Path(other).exists()  # aclose removed the workspace left behind
+
+
+async def test_channel_cap_and_connection_growth(sshd: SSHServer) -> None:
+    async with backend_for(sshd, max_connections=2, max_channels_per_connection=3) as backend:
+        host = backend.hosts[0]
+        peak = {"active": 0, "open": 0}
+
+        def watch() -> bool:
+            s = host.statistics()
+            peak["active"] = max(peak["active"], s.leases_active)
+            peak["open"] = max(peak["open"], s.connections_open)
+            assert s.channels_open <= 6
+            for connection in host.connections():
+                assert connection.open_channels <= 3
+            return False
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for _ in range(15):
+                    tg.start_soon(host.run, Command(argv=("sleep", "0.5"), timeout=15))
+                assert await wait_until(lambda: host.statistics().leases_active == 6, within=10)
+                assert re.search(
+                    r"leases: 6 active, \d+ queued \| conns: 2 open, 0 idle", repr(host)
+                )
+                tg.start_soon(functools.partial(wait_until, watch, within=1.0))
+        stats = host.statistics()
+        assert peak["active"] == 6
+        assert peak["open"] == 2
+        assert stats.handshakes == 2
+        assert stats.calls == 15
+        assert (
+            repr(host)
+            == f"<SSHPool 127.0.0.1:{sshd.port} [leases: 0 active, 0 queued | conns: 2 open, 2 idle]>"
+        )
+
+
+async def test_new_connections_only_when_existing_are_full(sshd: SSHServer) -> None:
+    async with backend_for(sshd, max_channels_per_connection=4) as backend:
+        host = backend.hosts[0]
+        with anyio.fail_after(20):
+            for _ in range(5):  # sequential: one connection is always enough
+                await host.run(Command(argv=("true",), timeout=5))
+            assert host.statistics().handshakes == 1
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(host.run, Command(argv=("sleep", "0.2"), timeout=10))
+            assert host.statistics().handshakes == 1
+            async with anyio.create_task_group() as tg:
+                for _ in range(5):
+                    tg.start_soon(host.run, Command(argv=("sleep", "0.2"), timeout=10))
+            assert host.statistics().handshakes == 2
+
+
+async def test_burst_of_100_callers_at_a_cold_pool(sshd: SSHServer) -> None:
+    """Default sshd (MaxSessions 10, MaxStartups 10:30:100) and default pool settings: no error."""
+    async with backend_for(sshd) as backend:
+        host = backend.hosts[0]
+        results = []
+
+        async def call(i: int) -> None:
+            results.append(await host.run(Command(argv=("echo", str(i)), timeout=30)))
+
+        with anyio.fail_after(40):
+            async with anyio.create_task_group() as tg:
+                for i in range(100):
+                    tg.start_soon(call, i)
+        assert sorted(int(r.stdout.data) for r in results) == list(range(100))
+        assert all(r.exit_status == 0 for r in results)
+        stats = host.statistics()
+        assert stats.handshake_failures == 0  # the ramp kept us under MaxStartups
+        # (sshd may still refuse a channel now and then while it frees closed sessions
+        # lazily under load: those are retried, which is why no call failed)
+        assert stats.handshakes <= 8  # max_connections
+
+
+async def test_routing_least_loaded_over_two_hosts(sshd_factory: Callable[..., SSHServer]) -> None:
+    one, two = sshd_factory(), sshd_factory()
+    async with backend_for(one, two, max_connections=1, max_channels_per_connection=4) as backend:
+        assert len(backend.hosts) == 2
+        seen: list[str] = []
+
+        async def call() -> None:
+            host = backend.pick_host()
+            seen.append((await host.run(Command(argv=("sleep", "0.3"), timeout=10))).host)
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                for _ in range(8):
+                    tg.start_soon(call)
+                    await anyio.sleep(0.01)
+        assert sorted(set(seen)) == sorted(h.name for h in backend.hosts)
+        assert seen.count(backend.hosts[0].name) == 4
+        assert "2 hosts" in repr(backend)
+        assert backend.statistics().connections_open == 2
+
+
+async def test_reaper_never_closes_a_leased_connection(sshd: SSHServer) -> None:
+    """PITFALLS 9, 10: calls longer than idle_ttl complete; the idle clock starts at their end."""
+    async with backend_for(sshd, idle_ttl=0.2, max_connections=1) as backend:
+        host = backend.hosts[0]
+        seen: list[tuple[int, int, int]] = []  # (exit status, handshakes, reaped) at each end
+
+        async def call(delay: str) -> None:
+            result = await host.run(Command(argv=("sleep", delay), timeout=10))
+            stats = host.statistics()
+            seen.append((result.exit_status or 0, stats.handshakes, stats.connections_reaped))
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                # Overlapping calls, each several TTLs long, on the only connection.
+                for delay in ("1.0", "0.6", "0.8"):
+                    tg.start_soon(call, delay)
+                    await anyio.sleep(0.15)
+            assert seen == [(0, 1, 0)] * 3  # one connection throughout, never reaped under them
+            assert await wait_until(lambda: host.statistics().connections_reaped == 1, within=3)
+            assert host.statistics().connections_open == 0
+            # PITFALLS 11: the re-created connection is the same kind, host, port and user.
+            again = await host.run(Command(shell='echo "$SSH_CONNECTION"; id -un', timeout=5))
+        lines = again.stdout.data.splitlines()
+        assert ssh_connection_of(lines[0]) == ("127.0.0.1", sshd.port)
+        assert lines[1].decode() == sshd.user
+        stats = host.statistics()
+        assert stats.handshakes == stats.connections_reaped + 1  # a reconnect only after a reap
+        (connection,) = host.connections()
+        assert connection.peer[:2] == ("127.0.0.1", sshd.port)
+        assert connection.conn.get_extra_info("send_cipher") == "aes128-gcm@openssh.com"
+
+
+async def test_stale_and_foreign_release_raise(sshd: SSHServer) -> None:
+    async with backend_for(sshd) as backend:
+        host = backend.hosts[0]
+        with anyio.fail_after(10):
+            await host.run(Command(argv=("true",), timeout=5))
+        (connection,) = host.connections()
+        owner = object()
+        lease = host._table.acquire(owner)
+        assert lease is not None
+        with pytest.raises(LeaseError):
+            host._release(Lease(connection, lease.token, object()))
+        assert host.statistics().leases_active == 1
+        host._release(lease)
+        with pytest.raises(LeaseError):
+            host._release(lease)
+        assert host.statistics().connections_open == 1  # nothing was closed by the bad releases
+
+
+async def test_aclose_is_idempotent_and_leaves_nothing(sshd: SSHServer) -> None:
+    duration = unique_duration()
+    backend = backend_for(sshd)
+    outcomes: list[object] = []
+    try:
+        async with backend:
+            host = backend.hosts[0]
+
+            async def call() -> None:
+                try:
+                    outcomes.append(await host.run(sleep_command(duration)))
+                except PoolClosed as exc:
+                    outcomes.append(exc)
+
+            ws = await host.make_workspace()
+            async with anyio.create_task_group() as tg:
+                for _ in range(10):
+                    tg.start_soon(call)
+                assert await wait_until(lambda: host.statistics().channels_open == 10, within=10)
+                with anyio.fail_after(15):
+                    await anyio.wait_all_tasks_blocked()
+                    await backend.aclose()  # while ten calls run
+            await backend.aclose()
+        assert len(outcomes) == 10
+        assert all(isinstance(o, PoolClosed) for o in outcomes)
+        stats = backend.statistics()
+        assert stats.closed
+        assert stats.connections_open == 0
+        assert stats.leases_active == 0
+        assert "closed" in repr(backend)
+        assert not await anyio.Path(ws).exists()
+        assert await no_process_left(f"sleep {duration}") == []
+        assert await wait_until(lambda: sshd.session_processes() == [], within=5)
+        with pytest.raises(PoolClosed):
+            await host.run(Command(argv=("true",), timeout=5))
+        with pytest.raises(PoolClosed):
+            await backend.start()
+    finally:
+        kill_leftovers(f"sleep {duration}")
+
+
+async def test_concurrent_aclose_calls_wait_for_the_first(sshd: SSHServer) -> None:
+    backend = backend_for(sshd)
+    await backend.start()
+    with anyio.fail_after(10):
+        await backend.hosts[0].run(Command(argv=("true",), timeout=5))
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(backend.aclose)
+    assert backend.statistics().connections_open == 0
+    assert await wait_until(lambda: sshd.session_processes() == [], within=5)
+
+
+async def test_aclose_from_another_task_and_scope(sshd: SSHServer) -> None:
+    """Background work is owned by a supervisor task: closing is not tied to the opener's scopes."""
+    backend = backend_for(sshd)
+    with anyio.move_on_after(30):
+        await backend.start()
+    with anyio.fail_after(10):
+        await backend.hosts[0].run(Command(argv=("true",), timeout=5))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(backend.aclose)
+    assert backend.is_closed()
+
+
+async def test_use_before_start_is_an_error(sshd: SSHServer) -> None:
+    backend = backend_for(sshd)
+    with pytest.raises(PoolError, match="not started"):
+        await backend.hosts[0].run(Command(argv=("true",), timeout=5))
+    await backend.aclose()
+    with pytest.raises(PoolClosed):
+        await backend.hosts[0].run(Command(argv=("true",), timeout=5))
+
+
+async def test_host_key_verification_is_on_by_default(sshd: SSHServer, tmp_path: Path) -> None:
+    wrong = tmp_path / "known_hosts"
+    wrong.write_text(
+        f"[127.0.0.1]:{sshd.port} ssh-ed25519 {sshd.keys.other_host_key.with_suffix('.pub').read_text().split()[1]}\n"
+    )
+    async with backend_for(sshd, known_hosts=str(wrong), connect_retries=3) as backend:
+        host = backend.hosts[0]
+        with (
+            anyio.fail_after(10),
+            pytest.raises(BackendUnavailable, match="HostKeyNotVerifiable") as info,
+        ):
+            await host.run(Command(argv=("true",), timeout=5))
+        assert info.value.host == host.name
+        assert host.statistics().handshakes == 1  # not retried: a key mismatch is not transient
+        assert host.statistics().connections_open == 0
+
+
+async def test_missing_known_hosts_fails_at_start(sshd: SSHServer, tmp_path: Path) -> None:
+    backend = backend_for(sshd, known_hosts=str(tmp_path / "absent"))
+    with anyio.fail_after(10), pytest.raises(ConfigError, match="known_hosts"):
+        async with backend:
+            pass
+    assert backend.is_closed()
+
+
+async def test_skipping_host_key_check_is_explicit_and_logged(
+    sshd: SSHServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="agent_backend.backends.ssh"):
+        backend = backend_for(
+            sshd, known_hosts=str(tmp_path / "absent"), insecure_skip_host_key_check=True
+        )
+    assert any("host key verification is OFF" in r.getMessage() for r in caplog.records)
+    async with backend:
+        with anyio.fail_after(10):
+            result = await backend.hosts[0].run(Command(argv=("true",), timeout=5))
+        assert result.exit_status == 0
+
+
+async def test_statistics_are_frozen_and_load_counts(sshd: SSHServer) -> None:
+    async with backend_for(sshd) as backend:
+        host: SSHHost = backend.hosts[0]
+        stats = host.statistics()
+        with pytest.raises(AttributeError):
+            stats.calls = 3  # type: ignore[misc]
+        assert host.load() == 0
+        assert host.is_up()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(host.run, Command(argv=("sleep", "0.3"), timeout=5))
+            assert await wait_until(lambda: host.load() == 1, within=5)
+        assert isinstance(backend, SSHBackend)

@@ -33,7 +33,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Annotated, ClassVar, Literal
 
 import anyio
@@ -51,6 +50,7 @@ from agent_backend.dispatch.backend import (
     Output,
 )
 from agent_backend.dispatch.output import OutputBuffer
+from agent_backend.dispatch.spec import config_path
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
@@ -64,17 +64,6 @@ _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EA
 # (one that left the group with setsid) may keep the call from returning.
 _DRAIN_SECONDS = 1.0
 _READ_CHUNK = 256 * 1024
-
-
-def _expand_path(value: str | None, info: pydantic.ValidationInfo) -> str | None:
-    """``~`` expanded; a relative path is taken relative to the config file's directory."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        base = (info.context or {}).get("config_dir")
-        path = Path(base) / path if base is not None else Path.cwd() / path
-    return os.fspath(path)
 
 
 class LocalPoolConfig(pydantic.BaseModel):
@@ -118,7 +107,7 @@ class LocalPoolConfig(pydantic.BaseModel):
     @pydantic.field_validator("workspace_root", "default_cwd")
     @classmethod
     def _resolve_path(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
-        return _expand_path(value, info)
+        return None if value is None else config_path(value, info)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -76,7 +76,6 @@ import shlex
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import anyio
@@ -99,6 +98,7 @@ from agent_backend.dispatch.backend import (
 )
 from agent_backend.dispatch.leases import Lease, LeaseTable
 from agent_backend.dispatch.output import OutputBuffer
+from agent_backend.dispatch.spec import config_path
 from agent_backend.errors import (
     BackendUnavailable,
     ConfigError,
@@ -182,15 +182,6 @@ _LIST_LIMIT = 16 << 20
 # -- configuration ----------------------------------------------------------------------------
 
 
-def _expand_path(value: str, info: pydantic.ValidationInfo) -> str:
-    """``~`` expanded; a relative path is taken relative to the pool file's directory."""
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        base = (info.context or {}).get("config_dir")
-        path = Path(base) / path if base is not None else Path.cwd() / path
-    return os.fspath(path)
-
-
 class SSHHostSettings(pydantic.BaseModel):
     """How to reach and use one SSH host; every key has a default except the host itself."""
 
@@ -264,14 +255,14 @@ class SSHHostSettings(pydantic.BaseModel):
     @pydantic.field_validator("known_hosts")
     @classmethod
     def _resolve_known_hosts(cls, value: str, info: pydantic.ValidationInfo) -> str:
-        return _expand_path(value, info)
+        return config_path(value, info)
 
     @pydantic.field_validator("client_keys")
     @classmethod
     def _resolve_client_keys(
         cls, value: tuple[str, ...], info: pydantic.ValidationInfo
     ) -> tuple[str, ...]:
-        return tuple(_expand_path(item, info) for item in value)
+        return tuple(config_path(item, info) for item in value)
 
     @pydantic.field_validator("workspace_root", "shell")
     @classmethod

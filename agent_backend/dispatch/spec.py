@@ -22,6 +22,8 @@ what was expected) that every config reader here raises. Pure: no I/O.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
@@ -180,3 +182,16 @@ def execution_kind(tool: Tool, spec: ExecutionSpec) -> ExecutionKind:
             expected="exactly one of a Python function, 'command' and 'builtin'",
         )
     return ways[0]
+
+
+def config_path(value: str, info: pydantic.ValidationInfo) -> str:
+    """A path from a pool file: ``~`` expanded, a relative path taken from the file's directory.
+
+    ``load_pool`` passes the directory as ``config_dir`` in the validation
+    context; without one (a config built in code) the working directory is used.
+    """
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        base = (info.context or {}).get("config_dir")
+        path = Path(base) / path if base is not None else Path.cwd() / path
+    return os.fspath(path)

@@ -27,7 +27,11 @@ Two audiences, kept apart:
     │   ├── ToolTimeout              also a TimeoutError
     │   ├── ResourceUnavailable      no worker has the resources a call needs
     │   └── PayloadLost              a result kept by reference was released or lost
-    └── ToolFailed                   a Python tool raised (its type, message, HTTP status)
+    ├── ToolFailed                   a Python tool raised (its type, message, HTTP status)
+    └── RolloutError                 the rollout layer failed (not one tool call)
+        ├── PolicyError              the policy server failed or answered unusably (status)
+        ├── NonFiniteLogprobs        NaN/inf logprobs under the "fail" policy
+        └── LedgerError              a resume ledger or checkpoint is unreadable or misused
 
 Every error pickles with its fields (they cross process and Ray boundaries):
 ``AgentBackendError.__reduce__`` rebuilds the instance from its message and
@@ -56,7 +60,11 @@ __all__ = [
     "PayloadLost",
     "PoolClosed",
     "PoolError",
+    "LedgerError",
+    "NonFiniteLogprobs",
+    "PolicyError",
     "ResourceUnavailable",
+    "RolloutError",
     "SchemaError",
     "SchemaRefError",
     "ToolArgumentError",
@@ -408,3 +416,60 @@ class ToolFailed(AgentBackendError):
         self.error_type = error_type
         self.status = status
         self.traceback = traceback
+
+
+class RolloutError(AgentBackendError):
+    """The rollout layer failed as a whole (not one tool call: those are results)."""
+
+
+class PolicyError(RolloutError):
+    """The policy server failed, or answered with something a trainer cannot use.
+
+    ``status`` is the HTTP status when there was one; ``url`` the endpoint;
+    ``retryable`` whether trying again may help (5xx, connection errors).
+    A response without the token ids or logprobs that were asked for is a
+    ``PolicyError`` (never a silently zeroed mask).
+    """
+
+    status: int | None
+    url: str | None
+    retryable: bool
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        url: str | None = None,
+        retryable: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.url = url
+        self.retryable = retryable
+
+
+class NonFiniteLogprobs(RolloutError):
+    """A policy returned NaN or infinite logprobs and the configured policy is ``fail``.
+
+    ``positions`` are the token indexes (within the completion) that were not finite.
+    """
+
+    positions: tuple[int, ...]
+
+    def __init__(self, message: str, *, positions: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.positions = tuple(positions)
+
+
+class LedgerError(RolloutError):
+    """A resume ledger or checkpoint cannot be read, or was used out of order.
+
+    ``path`` is the file concerned, when there is one.
+    """
+
+    path: str | None
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path

@@ -54,6 +54,9 @@ ERROR_SAMPLES = [
         status=503,
         traceback="Traceback (most recent call last): ...",
     ),
+    errors.PolicyError("no logprobs", status=200, url="http://127.0.0.1:1/v1", retryable=False),
+    errors.NonFiniteLogprobs("nan at 3", positions=[3, 7]),
+    errors.LedgerError("torn checkpoint", path="ledger.json"),
 ]
 
 
@@ -64,7 +67,12 @@ def test_every_error_class_has_a_sample() -> None:
         if issubclass(cls, errors.AgentBackendError)
     }
     sampled = {type(e) for e in ERROR_SAMPLES}
-    assert classes - sampled == {errors.ModelFacingError, errors.BackendError, errors.PoolError}
+    assert classes - sampled == {
+        errors.ModelFacingError,
+        errors.BackendError,
+        errors.PoolError,
+        errors.RolloutError,
+    }
 
 
 @pytest.mark.parametrize("error", ERROR_SAMPLES, ids=lambda e: type(e).__name__)

@@ -55,6 +55,18 @@ ToolsDir = Annotated[
     ),
 ]
 
+PoolToolsDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--tools-dir",
+        help="Folder of tool schema files (*.json) to load. Default: the built-in tools "
+        "(exec, read_file, ...), or none on a Ray pool, which runs the tools its file names.",
+        exists=True,
+        file_okay=False,
+        dir_okay=True,
+    ),
+]
+
 
 class ToolFormat(StrEnum):
     table = "table"
@@ -81,6 +93,15 @@ def _registry(tools_dir: Path) -> ToolRegistry:
         return ToolRegistry.from_dir(tools_dir)
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
+
+
+def _pool_registry(tools_dir: Path | None, backend: Any) -> ToolRegistry:
+    """``--tools-dir``'s tools; by default the built-in ones, or none on a pool without hosts."""
+    if tools_dir is None:
+        if not backend.hosts:  # a Ray pool: its own tools join the registry in the Dispatcher
+            return ToolRegistry()
+        tools_dir = DEFAULT_TOOLS_DIR
+    return _registry(tools_dir)
 
 
 def _fail(message: str, *, code: int) -> NoReturn:
@@ -185,7 +206,7 @@ def serve_command(
     port: Annotated[
         int, typer.Option(help="TCP port (0: any free port).", min=0, max=65535)
     ] = 8765,
-    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    tools_dir: PoolToolsDir = None,
     token_file: Annotated[
         Path | None,
         typer.Option(
@@ -203,7 +224,7 @@ def serve_command(
     ] = 128,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
-    """Run the HTTP daemon: every tool of --tools-dir, run on --pool, behind a bearer token.
+    """Run the HTTP daemon: the tools of --tools-dir (and a Ray pool's own), run on --pool, behind a token.
 
     Routes are under /v1 (OpenAPI at /openapi.json, Prometheus at /metrics, MCP at /mcp).
     Stops gracefully on SIGTERM or Ctrl-C, exit status 0.
@@ -214,7 +235,6 @@ def serve_command(
     from agent_backend.tokens import is_loopback, load_token
 
     _logging(log_level)
-    registry = _registry(tools_dir)
     try:
         token = load_token(token_file)
         settings = DaemonSettings(
@@ -227,6 +247,7 @@ def serve_command(
         backend = load_pool(_pool_source(pool))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
+    registry = _pool_registry(tools_dir, backend)
     explicit = token.origin == "env" or token_file is not None
     if not is_loopback(host) and not explicit:
         _fail(
@@ -253,7 +274,7 @@ def serve_command(
 @app.command("mcp")
 def mcp_command(
     pool: PoolFile = None,
-    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    tools_dir: PoolToolsDir = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
     """Serve the tools over MCP on stdin/stdout (for an MCP client to launch; see docs/mcp.md)."""
@@ -262,11 +283,11 @@ def mcp_command(
     from agent_backend.pool import load_pool
 
     _logging(log_level)
-    registry = _registry(tools_dir)
     try:
         backend = load_pool(_pool_source(pool))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
+    registry = _pool_registry(tools_dir, backend)
 
     async def main() -> None:
         async with backend, Dispatcher(registry, backend) as dispatcher:
@@ -286,7 +307,7 @@ def call_command(
         typer.Argument(help='Arguments as JSON text, e.g. \'{"command": "ls"}\'; - reads stdin.'),
     ] = "{}",
     pool: PoolFile = None,
-    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    tools_dir: PoolToolsDir = None,
     url: Annotated[
         str | None,
         typer.Option(
@@ -314,8 +335,9 @@ def call_command(
     call = ToolCall("cli", name, text, "openai")
 
     async def local() -> ToolResult:
-        registry = _registry(tools_dir)
-        async with load_pool(_pool_source(pool)) as backend, Dispatcher(registry, backend) as d:
+        backend = load_pool(_pool_source(pool))
+        registry = _pool_registry(tools_dir, backend)
+        async with backend, Dispatcher(registry, backend) as d:
             return await d.call(call, timeout=timeout)
 
     async def remote() -> ToolResult:

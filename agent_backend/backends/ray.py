@@ -52,7 +52,7 @@ import ray.exceptions
 from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
 from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
-from agent_backend.dispatch.backend import Backend, Host
+from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,
     BackendError,
@@ -438,6 +438,29 @@ class RayBackend(Backend):
             "the Ray backend runs Python tools (RayBackend.call), not commands", backend="ray"
         )
 
+    def hosted_tools(self) -> Sequence[Tool]:
+        """The pool's tools, for a :class:`~agent_backend.dispatch.Dispatcher` to route to :meth:`call`."""
+        if self._state in ("new", "starting"):
+            raise PoolError(
+                f"Ray pool {self.config.name!r} learns its tools from its actors when it starts: "
+                "open it (`async with pool`) before giving it to a Dispatcher"
+            )
+        return self.tools
+
+    async def call_hosted(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any] | str,
+        *,
+        timeout: float,  # noqa: ASYNC109 - the call's limit, as in call()
+    ) -> HostedResult:
+        result = await self.call(tool, arguments, timeout=timeout)
+        payload = result.payload
+        summary = None
+        if payload is not None:  # the model sees what was kept, not the bytes
+            summary = {"payload": {"id": payload.id, **dataclasses.asdict(payload.info)}}
+        return HostedResult(result.value, result.actor, summary)
+
     @property
     def tools(self) -> Sequence[Tool]:
         """The pool's tools as the actors loaded them (definitions only: they run remotely)."""
@@ -593,7 +616,8 @@ class RayBackend(Backend):
                 description=tool["description"],
                 parameters=tool["parameters"],
                 source=tool["source"],
-                meta={"x-agent-backend": {"backend": "ray"}},  # an ExecutionSpec block
+                # An ExecutionSpec block: a Dispatcher's default limit is the pool's.
+                meta={"x-agent-backend": {"backend": "ray", "timeout": self.config.call_timeout}},
             )
 
     async def aclose(self) -> None:

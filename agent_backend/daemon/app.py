@@ -199,7 +199,9 @@ class _Routes:
 
     async def open_session(self, scope: Scope) -> Response:
         session = await self.sessions.open(_principal(scope))
-        info = SessionInfo(id=session.id, host=session.host.name, workspace=session.workspace)
+        host = session.host.name if session.host is not None else self.dispatcher.pool.kind
+        # A pool without hosts (Ray) gives its sessions no workspace.
+        info = SessionInfo(id=session.id, host=host, workspace=session.workspace or "")
         return _json(info, 201)
 
     async def close_session(self, scope: Scope, session_id: str) -> Response:

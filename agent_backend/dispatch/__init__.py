@@ -7,6 +7,7 @@ from agent_backend.dispatch.backend import (
     DirEntry,
     FileData,
     Host,
+    HostedResult,
     Output,
 )
 from agent_backend.dispatch.builtin import BUILTIN_DEFINITIONS, builtin_tools
@@ -35,6 +36,7 @@ __all__ = [
     "ExecutionSpec",
     "FileData",
     "Host",
+    "HostedResult",
     "Output",
     "OutputBuffer",
     "Session",

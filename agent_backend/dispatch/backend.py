@@ -19,6 +19,11 @@ Contract for implementations:
 * Output is captured incrementally into :class:`~agent_backend.dispatch.output.OutputBuffer`,
   bounded in memory whatever the command prints.
 * ``aclose()`` is idempotent and leaves nothing running or open.
+
+A backend whose workers run Python tools themselves (Ray actors) *hosts*
+those tools instead of, or besides, offering hosts: :meth:`Backend.hosted_tools`
+lists them once the backend is open, and :meth:`Backend.call_hosted` runs
+one; the :class:`~agent_backend.dispatch.Dispatcher` routes their calls there.
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ from types import TracebackType
 from typing import Any, ClassVar, Literal, Self
 
 from agent_backend.errors import BackendUnavailable
+from agent_backend.tools import Tool
 
-__all__ = ["Backend", "Command", "CommandResult", "DirEntry", "FileData", "Host", "Output"]
+__all__ = [
+    "Backend",
+    "Command",
+    "CommandResult",
+    "DirEntry",
+    "FileData",
+    "Host",
+    "HostedResult",
+    "Output",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +120,19 @@ class DirEntry:
     name: str
     kind: Literal["file", "dir", "symlink", "other"]
     size: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostedResult:
+    """What a tool hosted by the backend returned (:meth:`Backend.call_hosted`)."""
+
+    value: Any
+    """The tool's return value, or a handle to a result kept where it was made (a Ray payload)."""
+    worker: str
+    """The worker that ran the (last) attempt, e.g. a Ray actor's name."""
+    summary: Any = None
+    """JSON-able text for the model in place of ``value`` (a kept result's size and checksum);
+    None: ``value`` itself is rendered."""
 
 
 class Host(abc.ABC):
@@ -186,6 +214,26 @@ class Backend(abc.ABC):
         if not up:
             raise BackendUnavailable(f"no {self.kind} host is up", backend=self.kind)
         return min(up, key=lambda host: host.load())
+
+    def hosted_tools(self) -> Sequence[Tool]:
+        """The tools the backend's workers run themselves (known once it is open); () here."""
+        return ()
+
+    async def call_hosted(
+        self,
+        tool: str,
+        arguments: Mapping[str, Any] | str,
+        *,
+        timeout: float,  # noqa: ASYNC109 - the tool's limit, enforced by the backend
+    ) -> HostedResult:
+        """Run hosted tool ``tool``: the backend checks ``arguments`` against its schema.
+
+        Raises what the tool's backend raises: model-facing errors for bad
+        arguments, :class:`~agent_backend.errors.ToolFailed` when the tool
+        raised, :class:`~agent_backend.errors.ToolTimeout` when it was stopped
+        at ``timeout``, and backend errors for infrastructure failures.
+        """
+        raise BackendUnavailable(f"the {self.kind} backend hosts no tools", backend=self.kind)
 
     @abc.abstractmethod
     def statistics(self) -> Any:

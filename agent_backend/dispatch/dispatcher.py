@@ -6,7 +6,9 @@ The pipeline of one call (docs/dispatch.md):
    a model-facing error becomes a failed :class:`ToolResult`, nothing runs.
 2. **route** by the tool's execution kind (:mod:`agent_backend.dispatch.spec`):
    a Python function runs in this process; a built-in or a command runs on a
-   host: the session's, or the pool's least-loaded one.
+   host: the session's, or the pool's least-loaded one; a tool the pool hosts
+   (a Ray pool's Python tools) runs on the pool's least-loaded worker, which
+   checks its arguments there (so they may carry payload handles).
 3. **bound in time**: the host kills the process group at the timeout and
    says so (a ``Timeout`` result); an outer deadline of timeout + grace is a
    backstop for a backend that does not come back, and *that* raises
@@ -51,7 +53,7 @@ import anyio.to_thread
 import orjson
 import pydantic_core
 
-from agent_backend.dispatch.backend import Backend, Command, Host
+from agent_backend.dispatch.backend import Backend, Command, Host, HostedResult
 from agent_backend.dispatch.builtin import BuiltinContext, run_builtin
 from agent_backend.dispatch.leases import LeaseTable
 from agent_backend.dispatch.output import head_tail
@@ -223,8 +225,27 @@ class Dispatcher:
         # `async with dispatcher`, which aclose() must not cancel.
         self._reaper_scope: anyio.CancelScope | None = None
         self._closed = anyio.Event()
+        self._hosted: dict[str, Tool] = {}
+        for tool in pool.hosted_tools():
+            self._adopt(tool)
         for tool in registry:
             self._plan(tool)
+
+    def _adopt(self, tool: Tool) -> None:
+        """Add a tool the pool hosts to the registry (it is the same object on a second look)."""
+        if tool.name in self.registry:
+            existing = self.registry.get(tool.name)
+            if existing is not tool:
+                raise ConfigError(
+                    f"{existing.source or 'the registry'}: tool {tool.name!r} is also hosted by "
+                    f"the {self.pool.kind} pool ({tool.source or 'its workers'}); rename one",
+                    file=existing.source,
+                    key="name",
+                    expected=f"a name the {self.pool.kind} pool's tools do not use",
+                )
+        else:
+            self.registry.add(tool)
+        self._hosted[tool.name] = tool
 
     def __repr__(self) -> str:
         return (
@@ -385,17 +406,34 @@ class Dispatcher:
         plan = self._plans.get(tool)
         if plan is None:
             spec = execution_spec(tool)
-            plan = _Plan(execution_kind(tool, spec), spec)
-            if plan.kind != "function" and spec.backend not in (None, self.pool.kind):
-                raise ConfigError(
-                    f"{tool.source or tool.name}: tool {tool.name!r} must run on a "
-                    f"{spec.backend!r} pool, and this one is {self.pool.kind!r}",
-                    file=tool.source,
-                    key="x-agent-backend.backend",
-                    expected=repr(self.pool.kind),
-                )
+            if self._hosted.get(tool.name) is tool:
+                plan = _Plan("hosted", spec)
+            else:
+                plan = _Plan(execution_kind(tool, spec), spec)
+                self._check_runnable(tool, plan)
             self._plans[tool] = plan
         return plan
+
+    def _check_runnable(self, tool: Tool, plan: _Plan) -> None:
+        where = tool.source or tool.name
+        if plan.kind != "function" and plan.spec.backend not in (None, self.pool.kind):
+            raise ConfigError(
+                f"{where}: tool {tool.name!r} must run on a "
+                f"{plan.spec.backend!r} pool, and this one is {self.pool.kind!r}",
+                file=tool.source,
+                key="x-agent-backend.backend",
+                expected=repr(self.pool.kind),
+            )
+        if plan.kind in ("builtin", "command") and not self.pool.hosts:
+            hosted = ", ".join(self._hosted) or "none"
+            raise ConfigError(
+                f"{where}: tool {tool.name!r} runs a {plan.kind} on a host, and the "
+                f"{self.pool.kind} pool has no hosts (it runs its own tools: {hosted}); "
+                "give this dispatcher a registry without it, or a local or ssh pool",
+                file=tool.source,
+                key="x-agent-backend",
+                expected=f"a tool the {self.pool.kind} pool can run",
+            )
 
     def _timeout(self, plan: _Plan, arguments: dict[str, Any], timeout: float | None) -> float:
         if timeout is not None and not timeout > 0:
@@ -415,30 +453,43 @@ class Dispatcher:
         self._in_flight += 1
         try:
             try:
-                prepared = self.registry.prepare_call(call)
+                tool = self.registry.resolve(call)
+                plan = self._plan(tool)
+                # A hosted tool's worker checks the arguments against the same schema.
+                arguments: Any = (
+                    call.arguments if plan.kind == "hosted" else tool.prepare(call.arguments)
+                )
             except ModelFacingError as exc:
                 return ToolResult.from_error(
                     exc, call_id=call.id, tool=call.name, duration=time.monotonic() - started
                 )
-            plan = self._plan(prepared.tool)
             limit = plan.spec.output_limit or self.output_limit
-            seconds = self._timeout(plan, prepared.arguments, call_timeout)
+            seconds = self._timeout(plan, arguments, call_timeout)
             if plan.kind == "function":
-                result = await self._run_function(prepared.tool, prepared.arguments, call, seconds)
+                result = await self._run_function(tool, arguments, call, seconds, limit)
             else:
-                host = session.host if session is not None else self.pool.pick_host()
-                workspace = session.workspace if session is not None else None
+                host: Host | None = None
+                if plan.kind != "hosted":
+                    host = session.host if session is not None else self.pool.pick_host()
+                    assert (
+                        host is not None
+                    )  # _check_runnable: a pool without hosts runs no commands
+                where = self.pool.kind if host is None else host.name
                 with anyio.move_on_after(seconds + self.backstop_grace) as backstop:
-                    result = await self._run_on_host(
-                        plan, prepared.arguments, call, host, workspace, seconds, limit
-                    )
+                    if host is None:
+                        result = await self._run_hosted(tool, arguments, call, seconds, limit)
+                    else:
+                        workspace = session.workspace if session is not None else None
+                        result = await self._run_on_host(
+                            plan, arguments, call, host, workspace, seconds, limit
+                        )
                 if backstop.cancelled_caught:
                     raise ToolTimeout(
-                        f"tool {call.name!r} on {host.name}: the backend did not return within "
+                        f"tool {call.name!r} on {where}: the backend did not return within "
                         f"{seconds:g} s + {self.backstop_grace:g} s grace",
                         timeout=seconds,
                         backend=self.pool.kind,
-                        host=host.name,
+                        host=where,
                     )
             return result.model_copy(update={"duration": time.monotonic() - started})
         finally:
@@ -484,22 +535,38 @@ class Dispatcher:
             captured_limit=limit,
         )
 
-    async def _run_function(
-        self, tool: Tool, arguments: dict[str, Any], call: ToolCall, seconds: float
+    async def _run_hosted(
+        self, tool: Tool, arguments: Any, call: ToolCall, seconds: float, limit: int
     ) -> ToolResult:
-        limit = execution_spec(tool).output_limit or self.output_limit
+        try:
+            hosted: HostedResult = await self.pool.call_hosted(
+                tool.name, arguments, timeout=seconds
+            )
+        except ModelFacingError as exc:
+            return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
+        except ToolFailed as exc:
+            return _tool_failed(call, exc)
+        except ToolTimeout as exc:  # the backend stopped the tool at its limit: like a kill
+            return ToolResult.failure(
+                call_id=call.id,
+                tool=call.name,
+                error=f"the tool did not finish within {seconds:g} s and was stopped",
+                error_type="Timeout",
+                host=exc.host,
+            )
+        shown = hosted.value if hosted.summary is None else hosted.summary
+        return _value_result(call, shown, limit, host=hosted.worker).with_value(hosted.value)
+
+    async def _run_function(
+        self, tool: Tool, arguments: dict[str, Any], call: ToolCall, seconds: float, limit: int
+    ) -> ToolResult:
         with anyio.move_on_after(seconds) as deadline:
             try:
                 value = await _call_function(tool, arguments)
             except ModelFacingError as exc:
                 return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
             except ToolFailed as exc:  # a tool's own failure, already carried as data
-                return ToolResult.failure(
-                    call_id=call.id,
-                    tool=call.name,
-                    error=f"the tool raised {exc.error_type or 'an error'}: {exc.message}",
-                    error_type="ToolFailed",
-                )
+                return _tool_failed(call, exc)
             except AgentBackendError:
                 raise  # infrastructure or misuse, not the model's doing
             except Exception as exc:
@@ -518,16 +585,32 @@ class Dispatcher:
                 error=f"the tool did not finish within {seconds:g} s and was stopped",
                 error_type="Timeout",
             )
-        raw = value.encode() if isinstance(value, str) else _jsonable(value)
-        bounded = head_tail(raw, limit)
-        return ToolResult(
-            call_id=call.id,
-            tool=call.name,
-            ok=True,
-            output=bounded.text(),
-            truncated=bounded.truncated,
-            output_bytes=len(raw),
-        )
+        return _value_result(call, value, limit).with_value(value)
+
+
+def _tool_failed(call: ToolCall, exc: ToolFailed) -> ToolResult:
+    """The result of a tool that raised: its failure, already carried as data."""
+    return ToolResult.failure(
+        call_id=call.id,
+        tool=call.name,
+        error=f"the tool raised {exc.error_type or 'an error'}: {exc.message}",
+        error_type="ToolFailed",
+    )
+
+
+def _value_result(call: ToolCall, value: Any, limit: int, *, host: str | None = None) -> ToolResult:
+    """A successful result showing ``value``: a string as is, anything else as JSON."""
+    raw = value.encode() if isinstance(value, str) else _jsonable(value)
+    bounded = head_tail(raw, limit)
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        ok=True,
+        output=bounded.text(),
+        truncated=bounded.truncated,
+        output_bytes=len(raw),
+        host=host,
+    )
 
 
 async def _gather(jobs: Sequence[Callable[[], Awaitable[ToolResult]]]) -> list[ToolResult]:
@@ -558,13 +641,15 @@ class Session:
     ``async with dispatcher.session() as session``: the workspace is made on
     entry (on the pool's least-loaded host) and removed on exit, on error and
     on cancellation. Closed or reaped, a session refuses calls with
-    :class:`~agent_backend.errors.PoolClosed`.
+    :class:`~agent_backend.errors.PoolClosed`. On a pool without hosts (a Ray
+    pool, whose workers run their own tools) a session has no workspace: it
+    still groups calls, is reaped and closes the same way.
     """
 
-    host: Host
-    """The host every call of the session runs on (set on entry)."""
-    workspace: str
-    """The workspace's real path on :attr:`host` (set on entry)."""
+    host: Host | None = None
+    """The host every call of the session runs on (set on entry); None on a pool without hosts."""
+    workspace: str | None = None
+    """The workspace's real path on :attr:`host` (set on entry); None without a host."""
 
     def __init__(self, dispatcher: Dispatcher, session_id: str) -> None:
         self.dispatcher = dispatcher
@@ -577,7 +662,11 @@ class Session:
         self._closed = anyio.Event()
 
     def __repr__(self) -> str:
-        where = f" {self.host.name}:{self.workspace}" if self._made is not None else ""
+        where = (
+            f" {self.host.name}:{self.workspace}"
+            if self._made is not None and self.host is not None
+            else ""
+        )
         reason = f" ({self._reason})" if self._reason else ""
         return (
             f"<Session {self.id}{where} [calls: {len(self._calls)} active] {self._state}{reason}>"
@@ -607,6 +696,9 @@ class Session:
             raise PoolError(f"session {self.id} can be opened once (it is {self._state})")
         dispatcher = self.dispatcher
         dispatcher._check_usable()
+        if not dispatcher.pool.hosts:  # the pool's workers run its tools: no workspace to make
+            self._register()
+            return
         host = dispatcher.pool.pick_host()
         # Shielded, so that a cancellation cannot lose a workspace the host made;
         # bounded, so that a host that does not answer cannot hold us forever.
@@ -629,9 +721,12 @@ class Session:
             self._mark_closed("failed to open")
             await self._finish_close()
             raise
+        self._register()
+
+    def _register(self) -> None:
         self._state = "open"
-        dispatcher._sessions.add(self)
-        dispatcher._table.add(self, capacity=_SESSION_CAPACITY)
+        self.dispatcher._sessions.add(self)
+        self.dispatcher._table.add(self, capacity=_SESSION_CAPACITY)
 
     def _mark_closed(self, reason: str) -> None:
         """Refuse new calls and end the ones in flight; synchronous (the I/O is in _finish_close)."""
@@ -653,7 +748,7 @@ class Session:
                     with anyio.move_on_after(self.dispatcher.backstop_grace + _CLOSE_WAIT):
                         await self._calls_done.wait()
                 made, self._made = self._made, None
-                if made is not None:
+                if made is not None and self.host is not None:
                     with anyio.move_on_after(self.dispatcher.default_timeout) as limit:
                         await self.host.remove_workspace(made)
                     if limit.cancelled_caught:
@@ -664,7 +759,7 @@ class Session:
                 logger.warning(
                     "session %s: removing its workspace on %s failed",
                     self.id,
-                    self.host.name,
+                    self.host.name if self.host is not None else "?",
                     exc_info=True,
                 )
             finally:

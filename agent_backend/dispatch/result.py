@@ -12,7 +12,7 @@ is already cut to the dispatcher's bound when a result is built, and
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import pydantic
 
@@ -76,6 +76,32 @@ class ToolResult(pydantic.BaseModel):
     """A stable name for what went wrong (a key of :data:`ERROR_TYPES`); None when ``ok``."""
     host: str | None = None
     """The host that ran the call (``local``, ``user@host:port``); None when nothing ran."""
+
+    _value: Any = pydantic.PrivateAttr(default=None)
+
+    @property
+    def value(self) -> Any:
+        """The Python value a function or pool-hosted tool returned; None for a command.
+
+        For a Ray tool whose result stayed in the object store, the
+        ``PayloadRef`` (``output`` then describes it: size, dtype, shape,
+        checksum). In this process only: never serialized, so None after a
+        trip through JSON or the daemon; not part of equality.
+        """
+        return self._value
+
+    def with_value(self, value: Any) -> ToolResult:
+        """This result carrying ``value`` (see :attr:`value`)."""
+        self._value = value  # a private attribute: the frozen fields are untouched
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ToolResult):
+            return NotImplemented
+        return self.__dict__ == other.__dict__
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.__dict__.values()))
 
     @classmethod
     def failure(

@@ -1,6 +1,8 @@
 """How a tool runs: the ``x-agent-backend`` block of a tool file, read into :class:`ExecutionSpec`.
 
-Three execution kinds, decided per tool (docs/dispatch.md):
+Three execution kinds, decided per tool by its definition (docs/dispatch.md),
+and a fourth decided by the pool (``hosted``: the pool's own workers run the
+tool, e.g. a Ray pool's Python tools; see ``Backend.hosted_tools``):
 
 * **function**: the :class:`~agent_backend.tools.Tool` has a Python
   ``function``; it runs in this process.
@@ -47,7 +49,7 @@ META_KEY = "x-agent-backend"
 BuiltinName = Literal["exec", "read_file", "write_file", "list_dir"]
 BUILTIN_NAMES: tuple[BuiltinName, ...] = ("exec", "read_file", "write_file", "list_dir")
 
-ExecutionKind = Literal["function", "builtin", "command"]
+ExecutionKind = Literal["function", "builtin", "command", "hosted"]
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 

@@ -280,6 +280,16 @@ class ToolRegistry:
         knows them) or :class:`ToolArgumentError` (arguments invalid, or the
         call could not be read at all). Never returns unchecked arguments.
         """
+        tool = self.resolve(call)
+        return PreparedCall(call.id, tool, tool.prepare(call.arguments))
+
+    def resolve(self, call: ToolCall) -> Tool:
+        """The tool ``call`` names, its arguments not yet checked.
+
+        Raises as :meth:`prepare_call` does for an unknown name or a call
+        that could not be read; for whoever checks the arguments elsewhere
+        (a tool hosted by a Ray pool is checked where it runs).
+        """
         if call.error is not None and not call.name:
             raise ToolArgumentError(f"could not read the tool call: {call.error}")
         tool = self._find(call.name)
@@ -290,7 +300,7 @@ class ToolRegistry:
             )
         if call.error is not None:
             raise ToolArgumentError(call.error, tool=tool.name)
-        return PreparedCall(call.id, tool, tool.prepare(call.arguments))
+        return tool
 
     # -- exports ----------------------------------------------------------------------------------
 

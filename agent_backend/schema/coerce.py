@@ -72,6 +72,10 @@ class _Plan:
     """Nothing but ``type`` matters for a scalar here (no ref, enum, const or combinators)."""
     python_types: frozenset[type]
     """Python types that certainly satisfy ``types`` (a fast check before ``_type_allowed``)."""
+    text_rules: tuple[Callable[[str], Any], ...]
+    """The string-to-scalar rules ``types`` asks for, in conversion order (stripped text in)."""
+    type_is_all: bool
+    """``type`` is this node's only assertion: a value of a type in ``python_types`` is valid."""
 
 
 class Coercer:
@@ -124,13 +128,21 @@ class Coercer:
         return value
 
     def _choose_branch(self, value: Any, branches: list[Any], depth: int) -> Any:
-        if any(self._is_valid(branch, value) for branch in branches):
+        if any(self._accepts(branch, value) for branch in branches):
             return value
         for branch in branches:
             candidate = self._coerce(value, branch, depth)
             if candidate is not value and self._is_valid(branch, candidate):
                 return candidate
         return value
+
+    def _accepts(self, node: Any, value: Any) -> bool:
+        """``is_valid(node, value)``, answered here when the node asserts nothing but a type."""
+        entry = self._plans.get(id(node))
+        plan = entry[1] if entry is not None else (self._plan(node) if type(node) is dict else None)
+        if plan is not None and plan.type_is_all and type(value) in plan.python_types:
+            return True
+        return self._is_valid(node, value)
 
     def _convert_here(self, value: Any, plan: _Plan, depth: int) -> Any:
         """Apply this node's own ``type``/``enum``/``const`` to a value of the wrong kind."""
@@ -160,14 +172,9 @@ class Coercer:
         if not isinstance(value, str):
             return _FAIL
         text = value.strip()
-        if kind == "integer":
-            return _to_integer(text)
-        if kind == "number":
-            return _to_number(text)
-        if kind == "boolean":
-            return _BOOLEANS.get(text, _FAIL)
-        if kind == "null":
-            return None if text == "null" else _FAIL
+        rule = _RULES_BY_KIND.get(kind)
+        if rule is not None:
+            return rule(text)
         if kind in ("object", "array"):
             opener = "{" if kind == "object" else "["
             if not text.startswith(opener):
@@ -219,7 +226,17 @@ class Coercer:
     def _repair_scalar(self, value: Any, plan: _Plan, depth: int) -> Any:
         """``_coerce`` for a scalar where only ``type`` matters, without its generic steps."""
         types = plan.types
-        if types is None or type(value) in plan.python_types or _type_allowed(value, types):
+        if types is None or type(value) in plan.python_types:
+            return value
+        if type(value) is str:  # the common repair: the plan's string rules, in order
+            text = value.strip()
+            for rule in plan.text_rules:
+                candidate = rule(text)
+                if candidate is not _FAIL:
+                    return candidate
+            if "object" not in types and "array" not in types:
+                return value
+        elif _type_allowed(value, types):
             return value
         value = self._convert_here(value, plan, depth)
         if isinstance(value, dict):
@@ -294,6 +311,10 @@ class Coercer:
                 for name in (types if isinstance(types, list) else ())
                 for python in _PYTHON_TYPES.get(name, ())
             ),
+            text_rules=tuple(
+                rule for kind, rule in _TEXT_RULES if isinstance(types, list) and kind in types
+            ),
+            type_is_all=isinstance(types, list) and node.keys() <= _TYPE_ONLY_KEYS,
         )
         plan.only_types = (
             plan.ref is None and members is None and not plan.unions and not plan.all_of
@@ -360,6 +381,28 @@ def _to_number(text: str) -> Any:
         return _to_integer(text)
     number = float(text)
     return number if math.isfinite(number) else _FAIL
+
+
+def _to_boolean(text: str) -> Any:
+    return _BOOLEANS.get(text, _FAIL)
+
+
+def _to_null(text: str) -> Any:
+    return None if text == "null" else _FAIL
+
+
+#: The string-to-scalar rules, in :data:`_CONVERSION_ORDER` (containers are handled apart).
+_TEXT_RULES: Final = (
+    ("integer", _to_integer),
+    ("number", _to_number),
+    ("boolean", _to_boolean),
+    ("null", _to_null),
+)
+_RULES_BY_KIND: Final = dict(_TEXT_RULES)
+#: Keys of a node whose only assertion is ``type`` (the rest are annotations).
+_TYPE_ONLY_KEYS: Final = frozenset(
+    ("type", "title", "description", "default", "examples", "$comment", "deprecated")
+)
 
 
 def _json_equal(a: Any, b: Any) -> bool:

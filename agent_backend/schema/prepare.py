@@ -114,6 +114,7 @@ class CompiledSchema:
         self.prepare: PrepareFn = _fast_path(
             self._prepare,
             fast_validator.is_valid,
+            self._is_valid,
             max_bytes=limits.max_bytes,
             max_depth=limits.max_depth,
         )
@@ -146,17 +147,23 @@ class CompiledSchema:
         tool: str | None = None,
         inject_defaults: bool = False,
         parsed: dict[str, Any] | None = None,
+        known_invalid: bool = False,
     ) -> dict[str, Any]:
         """The whole pipeline; :attr:`prepare` is its fast path and falls back to it.
 
-        ``parsed`` is what the fast path already read and bounded; it is read
-        again only when it may hold an integer orjson could not keep exact.
+        ``parsed`` is what the fast path already read and bounded; JSON text is
+        read again only when it may hold an integer orjson could not keep
+        exact (a float that large; a dict's copy never holds one: orjson
+        refuses to encode such an integer).
+        ``known_invalid``: the fast path's validator already refused ``parsed``
+        (it is stricter than the schema at most, so repair is needed or harmless).
         """
-        if parsed is None or has_big_float(parsed):
+        if parsed is None or (type(arguments) is not dict and has_big_float(parsed)):
             value = parse_arguments(arguments, limits=self.limits, tool=tool)
+            valid = self._is_valid(value)
         else:
             value = parsed
-        valid = self._is_valid(value)
+            valid = False if known_invalid else self._is_valid(value)
         if valid and not inject_defaults:
             return value
         coercer = self._coercers[inject_defaults]
@@ -202,30 +209,38 @@ def within_depth(value: Any, max_depth: int) -> bool:
 
 def _fast_path(
     full: Callable[..., dict[str, Any]],
-    is_valid: Callable[[Any], bool],
+    text_is_valid: Callable[[Any], bool],
+    dict_is_valid: Callable[[Any], bool],
     *,
     max_bytes: int,
     max_depth: int,
 ) -> PrepareFn:
     """Build the hot path of one schema: short JSON text, or a dict, that is valid as it is.
 
-    Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth,
-    so no depth walk is needed; longer text counts its brackets first. A dict is first encoded by orjson, which
-    refuses non-JSON types and gives its size. A flat dict of plain scalars
-    is copied with ``dict()`` (after a NaN check of its floats); a nested one
-    is decoded back (a deep copy) and compared with the original, which
-    catches the NaN that orjson writes as null. Either way NaN takes the
-    checked path, which refuses it with its pointer.
-    ``is_valid`` is the guarded validator (see :func:`_guard_integers`), so
-    an integer beyond 64 bits that orjson read as a float fails here and the
-    text is read again, exactly, by the full pipeline.
-    Anything else, and anything invalid, goes through ``full`` untouched.
-    Closure variables instead of attribute lookups: this runs on every call.
+    Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth
+    (``[`` and ``]`` per level), nor can text without ``[`` shorter than
+    5 * max_depth + 2 (objects only: ``{"":`` and ``}`` per level), so no depth
+    walk is needed; longer text counts its brackets first.
+    ``text_is_valid`` is the guarded validator (see :func:`_guard_integers`),
+    so an integer beyond 64 bits that orjson read as a float fails here and
+    the text is read again, exactly, by the full pipeline.
+
+    A dict is first encoded by orjson, which refuses non-JSON types (and
+    integers beyond 64 bits) and gives its size. Its encoding tells its shape
+    without a Python-level scan: one ``{`` and no ``[`` means no container
+    inside (a bracket in a string only sends it the slow way), so ``dict()``
+    is a full copy; no ``null`` means no NaN or infinity either (orjson writes
+    them as null), else its floats are checked. A nested dict is decoded back
+    (a deep copy) and compared with the original, which catches the NaN
+    written as null. Either way NaN takes the checked path, which refuses it
+    with its pointer. Anything else, and anything invalid, goes through
+    ``full``. Closure variables instead of attribute lookups: this runs on
+    every call.
     """
     loads = orjson.loads
     dumps = orjson.dumps
     short = 2 * (max_depth + 1)
-    plain_scalars = frozenset((str, int, float, bool, type(None)))
+    short_objects = 5 * max_depth + 2
 
     def shallow_enough(text: str | bytes, value: Any) -> bool:
         # Fewer opening brackets than the bound: cannot nest deeper. Brackets
@@ -241,6 +256,7 @@ def _fast_path(
     ) -> dict[str, Any]:
         kind = type(arguments)
         value: Any = None
+        is_valid = text_is_valid
         if kind is str:
             size = len(arguments)
             if size <= max_bytes:
@@ -248,18 +264,25 @@ def _fast_path(
                     value = loads(arguments)  # type: ignore[arg-type]
                 except ValueError:
                     value = None
-                if size >= short and type(value) is dict and not shallow_enough(arguments, value):  # type: ignore[arg-type]
+                if (
+                    size >= short
+                    and (size >= short_objects or "[" in arguments)
+                    and type(value) is dict
+                    and not shallow_enough(arguments, value)  # type: ignore[arg-type]
+                ):
                     value = None
         elif kind is dict:
             try:
-                encoded = dumps(arguments, option=PLAIN_ONLY)
+                encoded = dumps(arguments, None, PLAIN_ONLY)  # positional: no keyword parsing
             except TypeError:
                 encoded = b""
             if encoded and len(encoded) <= max_bytes:
-                kinds = set(map(type, arguments.values()))  # type: ignore[union-attr]
-                if kinds <= plain_scalars:  # flat: a shallow copy is a full copy
-                    if float not in kinds or not has_non_finite(arguments):
-                        value = dict(arguments)  # type: ignore[arg-type]
+                is_valid = dict_is_valid
+                # Flat (no "[", and the only "{" the first byte): dict() copies it all.
+                # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
+                if 91 not in encoded and encoded.rfind(123) == 0:
+                    if encoded.find(b"null") < 0 or not has_non_finite(arguments):
+                        value = {**arguments}  # type: ignore[dict-item]
                 else:
                     value = loads(encoded)
                     # orjson writes NaN as null: a copy that differs holds NaN (or a tuple, or
@@ -270,9 +293,11 @@ def _fast_path(
                         value = None
         if type(value) is not dict:
             return full(arguments, tool=tool, inject_defaults=inject_defaults)
-        if not inject_defaults and is_valid(value):
+        if inject_defaults:
+            return full(arguments, tool=tool, inject_defaults=True, parsed=value)
+        if is_valid(value):
             return value
-        return full(arguments, tool=tool, inject_defaults=inject_defaults, parsed=value)
+        return full(arguments, tool=tool, parsed=value, known_invalid=True)
 
     return prepare
 
@@ -373,9 +398,9 @@ def prepare_arguments(
     """
     try:
         cached, prepare = _cache[id(schema)]
+        if cached is not schema:  # another schema that had the same id
+            prepare = _compiled_for(schema)
     except KeyError:
-        cached, prepare = None, None
-    if cached is not schema or prepare is None:
         prepare = _compiled_for(schema)
     if tool is None and not inject_defaults:
         return prepare(arguments)

@@ -15,9 +15,10 @@ clock, then checksums what it got):
 Reported per size: hand-off times and speedup, the driver's peak RSS growth
 (``VmHWM`` after a reset through ``/proc/self/clear_refs``), the producer's
 and both consumers' checksums, and bytes spilled (Ray's store stats). Then
-the dispatch overhead of a small call (median of single calls, interleaved, alternating
-which goes first)
-against a direct call of a plain Ray actor method doing the same work.
+the dispatch overhead of a small call (median of single calls, interleaved in
+rotating order) against a direct call of a plain Ray actor method doing the
+same work: through ``pool.call``, and as a model's call (JSON text arguments)
+through the ``Dispatcher``, which the daemon and rollouts use.
 Prints PASS/FAIL against the issue's figures.
 
 The local Ray is sized explicitly (4 GiB object store, for 1 GB payloads with
@@ -39,6 +40,7 @@ import anyio
 import numpy as np
 import ray
 
+from agent_backend import Dispatcher, ToolCall, ToolRegistry
 from agent_backend.backends.ray import RayBackend, RayPoolConfig
 from agent_backend.backends.ray_payload import PayloadRef, checksum
 
@@ -149,29 +151,42 @@ async def handoffs(
 
 
 async def overhead(pool: RayBackend, calls: int) -> dict[str, float]:
+    """Medians of single small calls: a direct actor method, ``pool.call``, and a model's call
+    (JSON text arguments) through the ``Dispatcher``, interleaved in rotating order."""
     direct: Any = ray.remote(Direct).options(num_cpus=0).remote()
+    times: dict[str, list[float]] = {"direct": [], "pool": [], "dispatcher": []}
     try:
-        for i in range(20):  # warm both paths
-            await direct.small.remote(i)
-            await pool.call("small", {"x": i})
-        ours: list[float] = []
-        theirs: list[float] = []
-        for i in range(calls):
-            # Alternate which goes first, so neither always follows the other.
-            for side in ("direct", "pool") if i % 2 else ("pool", "direct"):
+        async with Dispatcher(ToolRegistry(), pool) as dispatcher:
+
+            async def one(side: str, i: int) -> None:
                 t0 = time.perf_counter()
                 if side == "direct":
                     assert await direct.small.remote(i) == i + 1
-                    theirs.append(time.perf_counter() - t0)
-                else:
+                elif side == "pool":
                     assert (await pool.call("small", {"x": i})).value == i + 1
-                    ours.append(time.perf_counter() - t0)
+                else:
+                    result = await dispatcher.call(ToolCall(f"c{i}", "small", f'{{"x": {i}}}', "openai"))
+                    assert result.value == i + 1, result
+                times[side].append(time.perf_counter() - t0)
+
+            for i in range(20):  # warm every path
+                for side in times:
+                    await one(side, i)
+            for side in times:
+                times[side].clear()
+            sides = list(times)
+            for i in range(calls):  # rotate who goes first, so none always follows another
+                for k in range(len(sides)):
+                    await one(sides[(i + k) % len(sides)], i)
     finally:
         ray.kill(direct)
+    direct_s = statistics.median(times["direct"])
     return {
-        "direct_ms": statistics.median(theirs) * 1e3,
-        "pool_ms": statistics.median(ours) * 1e3,
-        "ratio": statistics.median(ours) / statistics.median(theirs),
+        "direct_ms": direct_s * 1e3,
+        "pool_ms": statistics.median(times["pool"]) * 1e3,
+        "dispatcher_ms": statistics.median(times["dispatcher"]) * 1e3,
+        "ratio": statistics.median(times["pool"]) / direct_s,
+        "dispatcher_ratio": statistics.median(times["dispatcher"]) / direct_s,
     }
 
 
@@ -232,9 +247,10 @@ async def main(sizes: list[int], calls: int) -> int:
     print(f"spilled during the hand-offs: {spilled} bytes ({spill_source})")
     print()
     print(
-        f"small call: pool {small_calls['pool_ms']:.3f} ms, direct Ray actor method "
+        f"small call: pool {small_calls['pool_ms']:.3f} ms, through the Dispatcher "
+        f"{small_calls['dispatcher_ms']:.3f} ms, direct Ray actor method "
         f"{small_calls['direct_ms']:.3f} ms (medians of {calls} interleaved calls): "
-        f"{small_calls['ratio']:.2f}x"
+        f"{small_calls['ratio']:.2f}x and {small_calls['dispatcher_ratio']:.2f}x"
     )
     print()
     checks: list[tuple[str, bool]] = []
@@ -267,6 +283,13 @@ async def main(sizes: list[int], calls: int) -> int:
         (
             f"small-call overhead <= 1.3x a direct actor call ({small_calls['ratio']:.2f}x)",
             small_calls["ratio"] <= 1.3,
+        )
+    )
+    checks.append(
+        (
+            "small-call overhead through the Dispatcher <= 1.3x a direct actor call "
+            f"({small_calls['dispatcher_ratio']:.2f}x)",
+            small_calls["dispatcher_ratio"] <= 1.3,
         )
     )
     for text, ok in checks:

@@ -60,7 +60,7 @@ async def test_the_pools_tools_join_the_registry_and_run_on_its_actors(
     dispatcher: Dispatcher, pool: RayBackend
 ) -> None:
     assert set(dispatcher.registry.names()) == {name.split(":")[1] for name in TOOLS}
-    assert [t["function"]["name"] for t in dispatcher.registry.to_openai()][0] == "echo"
+    assert dispatcher.registry.to_openai()[0]["function"]["name"] == "echo"
     result = await dispatcher.call(ToolCall("c1", "echo", '{"text": "hi"}', "openai"))
     assert result.ok, result
     assert result.output == "hi"
@@ -112,7 +112,8 @@ async def test_a_large_result_stays_by_reference_and_feeds_the_next_call(
     # The model sees what was kept, never the megabyte.
     assert made.output_bytes < 1000
     assert f'"size":{1_000_000}' in made.output
-    assert payload.checksum is not None and payload.checksum in made.output
+    assert payload.checksum is not None
+    assert payload.checksum in made.output
     # Passed on inside the arguments of a second call, resolved on the consuming actor.
     seen = await dispatcher.call(("inspect_payload", {"data": payload}))
     assert seen.ok, seen
@@ -130,7 +131,8 @@ async def test_sessions_on_a_pool_without_hosts_group_calls_without_a_workspace(
     dispatcher: Dispatcher,
 ) -> None:
     async with dispatcher.session() as session:
-        assert session.host is None and session.workspace is None
+        assert session.host is None
+        assert session.workspace is None
         results = await session.call_many([("echo", {"text": "a"}), ("echo", {"text": "b"})])
         assert [r.output for r in results] == ["a", "b"]
         assert dispatcher.statistics().sessions_open == 1
@@ -190,7 +192,10 @@ async def test_the_daemon_serves_a_ray_pools_tools(ray_cluster: RayCluster) -> N
     with run_in_thread(ToolRegistry(), settings, pool=config) as daemon:
         names, echoed, kept, in_session = await use(daemon.url)
     assert set(names) == {name.split(":")[1] for name in TOOLS}
-    assert echoed.ok and echoed.output == "over http"
-    assert kept.ok and '"size":500000' in kept.output and kept.value is None
+    assert echoed.ok
+    assert echoed.output == "over http"
+    assert kept.ok
+    assert '"size":500000' in kept.output
+    assert kept.value is None
     assert in_session.ok, in_session
     assert in_session.host.startswith("daemon-")

@@ -1,0 +1,153 @@
+"""Trainer adapters: TRL's rollout_func output, verl's padded fields, in-process batches."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from agent_backend.rollout.trainers import (
+    TRL_EXTRA_KEYS,
+    VERL_FIELDS,
+    batches,
+    to_trl,
+    to_verl_fields,
+    trl_reward,
+)
+from agent_backend.rollout.trajectory import Trajectory
+
+
+def traj(
+    index: int, prompt: list[int], completion: list[int], mask: list[int], **kw: Any
+) -> Trajectory:
+    logprobs = [-(i + 1) / 10 if m else 0.0 for i, m in enumerate(mask)]
+    fields: dict[str, Any] = {
+        "rollout_id": f"r{index}",
+        "group_id": f"g{index // 2}",
+        "sample_idx": index % 2,
+        "prompt_index": index // 2,
+        "prompt_ids": prompt,
+        "completion_ids": completion,
+        "completion_mask": mask,
+        "logprobs": logprobs,
+        "reward": float(index),
+        "policy_version_start": 0,
+        "policy_version_end": 1,
+        "stop_reason": "stop",
+        "num_turns": 1,
+    }
+    fields.update(kw)
+    return Trajectory(**fields)
+
+
+BATCH = [
+    traj(0, [1, 2, 3], [4, 5], [1, 1]),
+    traj(1, [1], [6, 7, 8, 9], [1, 0, 0, 1], rewards={"tests": 0.5}),
+    traj(2, [1, 2], [], [], stop_reason="rollout_error", error="policy server 503"),
+]
+
+
+def test_to_trl_has_the_rollout_func_keys_one_entry_per_completion() -> None:
+    out = to_trl(BATCH)
+    assert list(out)[:4] == ["prompt_ids", "completion_ids", "logprobs", "env_mask"]
+    assert set(out) == {"prompt_ids", "completion_ids", "logprobs", "env_mask", *TRL_EXTRA_KEYS}
+    assert all(len(values) == len(BATCH) for values in out.values())
+    assert out["prompt_ids"] == [[1, 2, 3], [1], [1, 2]]
+    assert out["completion_ids"] == [[4, 5], [6, 7, 8, 9], []]
+    assert out["logprobs"][1] == [-0.1, 0.0, 0.0, -0.4]
+    assert out["env_mask"] == out["completion_mask"] == [[1, 1], [1, 0, 0, 1], []]
+    assert out["reward"] == [0.0, 1.0, 2.0]
+    assert out["rewards"][1] == {"tests": 0.5}
+    assert out["error"] == [None, None, "policy server 503"]
+    assert out["group_id"] == ["g0", "g0", "g1"]
+    out["prompt_ids"][0].append(99)  # copies: the records are not changed
+    assert BATCH[0].prompt_ids == [1, 2, 3]
+
+
+def test_trl_reward_reads_the_rewards_back() -> None:
+    out = to_trl(BATCH)
+    completions = ["a", "b", "c"]
+    kwargs = {k: v for k, v in out.items() if k not in ("prompt_ids", "completion_ids")}
+    assert trl_reward(completions, **kwargs) == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="'reward' key"):
+        trl_reward(completions)
+    with pytest.raises(ValueError, match="one value per completion"):
+        trl_reward(completions[:2], reward=[1.0])
+
+
+def test_to_verl_fields_pads_prompts_left_and_responses_right() -> None:
+    out = to_verl_fields(BATCH, pad_token_id=0)
+    b, nt = out["batch"], out["non_tensor_batch"]
+    assert set(b) == {
+        "prompts",
+        "responses",
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_mask",
+        "rollout_log_probs",
+        "token_level_scores",
+    }
+    assert b["prompts"].tolist() == [[1, 2, 3], [0, 0, 1], [0, 1, 2]]
+    assert b["responses"].tolist() == [[4, 5, 0, 0], [6, 7, 8, 9], [0, 0, 0, 0]]
+    assert b["input_ids"].shape == (3, 7)
+    assert b["attention_mask"].tolist()[1] == [0, 0, 1, 1, 1, 1, 1]
+    assert b["position_ids"].tolist()[1] == [0, 0, 0, 1, 2, 3, 4]
+    assert b["response_mask"].tolist() == [[1, 1, 0, 0], [1, 0, 0, 1], [0, 0, 0, 0]]
+    np.testing.assert_allclose(b["rollout_log_probs"][1], [-0.1, 0.0, 0.0, -0.4], rtol=1e-6)
+    # The reward sits on the last response token; an empty response has no token to carry it.
+    assert b["token_level_scores"].tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert nt["uid"].tolist() == ["g0", "g0", "g1"]
+    assert nt["stop_reason"].tolist() == ["stop", "stop", "rollout_error"]
+    assert b["input_ids"].dtype == np.int64
+    assert b["rollout_log_probs"].dtype == np.float32
+
+
+def test_to_verl_fields_fixed_widths_and_errors() -> None:
+    out = to_verl_fields(BATCH[:1], prompt_length=5, response_length=3, pad_token_id=-1)
+    assert out["batch"]["prompts"].tolist() == [[-1, -1, 1, 2, 3]]
+    assert out["batch"]["token_level_scores"].tolist() == [[0.0, 0.0, 0.0]]
+    assert out["batch"]["responses"].tolist() == [[4, 5, -1]]
+    with pytest.raises(ValueError, match="more than prompt_length=2"):
+        to_verl_fields(BATCH[:1], prompt_length=2)
+    with pytest.raises(ValueError, match="at least one"):
+        to_verl_fields([])
+
+
+def test_verl_mapping_is_documented_for_every_token_field() -> None:
+    assert {
+        "prompt_ids",
+        "completion_ids",
+        "completion_mask",
+        "logprobs",
+        "reward",
+        "group_id",
+    } <= set(VERL_FIELDS)
+    assert "rollout_log_probs" in VERL_FIELDS["logprobs"]
+
+
+async def stream(n: int) -> AsyncIterator[Trajectory]:
+    for i in range(n):
+        yield traj(i, [1], [2], [1])
+
+
+@pytest.mark.anyio
+async def test_batches_in_order_with_a_short_last_one() -> None:
+    got = [[t.rollout_id for t in batch] async for batch in batches(stream(7), 3)]
+    assert got == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
+
+
+@pytest.mark.anyio
+async def test_batches_drop_last_and_exact_sizes() -> None:
+    assert [len(b) async for b in batches(stream(7), 3, drop_last=True)] == [3, 3]
+    assert [len(b) async for b in batches(stream(6), 3)] == [3, 3]
+    assert [b async for b in batches(stream(0), 3)] == []
+
+
+@pytest.mark.anyio
+async def test_batches_refuse_a_zero_size() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        async for _ in batches(stream(1), 0):
+            pass

@@ -254,50 +254,55 @@ def _fast_path(
     def prepare(
         arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
     ) -> dict[str, Any]:
+        # Early returns, few locals: every bytecode here is paid on every call.
+        value: dict[str, Any]
         kind = type(arguments)
-        value: Any = None
-        is_valid = text_is_valid
-        if kind is str:
-            size = len(arguments)
-            if size <= max_bytes:
-                try:
-                    value = loads(arguments)  # type: ignore[arg-type]
-                except ValueError:
-                    value = None
-                if (
-                    size >= short
-                    and (size >= short_objects or "[" in arguments)
-                    and type(value) is dict
-                    and not shallow_enough(arguments, value)  # type: ignore[arg-type]
-                ):
-                    value = None
-        elif kind is dict:
+        if kind is dict:
             try:
                 encoded = dumps(arguments, None, PLAIN_ONLY)  # positional: no keyword parsing
             except TypeError:
-                encoded = b""
-            if encoded and len(encoded) <= max_bytes:
-                is_valid = dict_is_valid
-                # Flat (no "[", and the only "{" the first byte): dict() copies it all.
-                # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
-                if 91 not in encoded and encoded.rfind(123) == 0:
-                    if encoded.find(b"null") < 0 or not has_non_finite(arguments):
-                        value = {**arguments}  # type: ignore[dict-item]
-                else:
-                    value = loads(encoded)
-                    # orjson writes NaN as null: a copy that differs holds NaN (or a tuple, or
-                    # a subclass that compares unequal) and takes the checked path.
-                    if value != arguments or (
-                        len(encoded) >= short and not shallow_enough(encoded, value)
-                    ):
-                        value = None
-        if type(value) is not dict:
-            return full(arguments, tool=tool, inject_defaults=inject_defaults)
-        if inject_defaults:
-            return full(arguments, tool=tool, inject_defaults=True, parsed=value)
-        if is_valid(value):
-            return value
-        return full(arguments, tool=tool, parsed=value, known_invalid=True)
+                return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            if len(encoded) > max_bytes:
+                return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            # Flat (no "[", and the only "{" the first byte): a shallow copy copies it all.
+            # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
+            if 91 not in encoded and encoded.rfind(123) == 0:
+                if encoded.find(b"null") >= 0 and has_non_finite(arguments):
+                    return full(arguments, tool=tool, inject_defaults=inject_defaults)
+                value = {**arguments}  # type: ignore[dict-item]
+            else:
+                value = loads(encoded)
+                # orjson writes NaN as null: a copy that differs holds NaN (or a tuple, or
+                # a subclass that compares unequal) and takes the checked path.
+                if value != arguments or (
+                    len(encoded) >= short and not shallow_enough(encoded, value)
+                ):
+                    return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            if inject_defaults:
+                return full(arguments, tool=tool, inject_defaults=True, parsed=value)
+            if dict_is_valid(value):
+                return value
+            return full(arguments, tool=tool, parsed=value, known_invalid=True)
+        if kind is str:
+            size = len(arguments)
+            if size > max_bytes:
+                return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            try:
+                value = loads(arguments)  # type: ignore[arg-type]
+            except ValueError:
+                return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            if type(value) is not dict or (
+                size >= short
+                and (size >= short_objects or "[" in arguments)
+                and not shallow_enough(arguments, value)  # type: ignore[arg-type]
+            ):
+                return full(arguments, tool=tool, inject_defaults=inject_defaults)
+            if inject_defaults:
+                return full(arguments, tool=tool, inject_defaults=True, parsed=value)
+            if text_is_valid(value):
+                return value
+            return full(arguments, tool=tool, parsed=value, known_invalid=True)
+        return full(arguments, tool=tool, inject_defaults=inject_defaults)
 
     return prepare
 

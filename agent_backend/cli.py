@@ -431,6 +431,13 @@ def pool_check_command(
     raise typer.Exit(0 if rows and healthy == len(rows) else 1)
 
 
+# `agent-backend rollout` (docs/rollouts.md): its module imports only light things at the
+# top, the rollout layer itself when the command runs, so `--help` stays fast.
+from agent_backend.rollout.cli import rollout_command  # noqa: E402
+
+app.command("rollout")(rollout_command)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,545 @@
+"""Policies: what samples the assistant turns of an episode.
+
+:class:`Policy` is the protocol the episode loop needs: given the
+conversation and the tools, one assistant turn (:class:`AssistantTurn`)
+with its text, its tool calls, the token ids of the prompt the server
+rendered and of the completion it sampled, the sampler's logprobs, and the
+finish reason.
+
+:class:`OpenAICompatiblePolicy` is that protocol over HTTP, for vLLM and
+SGLang servers (``/v1/chat/completions`` with ``tools``). It asks for what a
+trainer needs in every request and refuses an answer without it:
+
+* ``logprobs: true`` **and** ``top_logprobs`` (engines that get the first
+  without the second answer no logprobs, and a trainer silently trained on
+  a zeroed mask: PITFALLS 22);
+* ``return_token_ids: true``: vLLM (since vllm-project/vllm#22587, 2025)
+  answers the prompt's ids as ``prompt_token_ids`` on the response and the
+  completion's as ``choices[0].token_ids``; SGLang (sgl-project/sglang#30917)
+  answers them per choice
+  (``choices[0].prompt_token_ids``/``token_ids``) or, for
+  ``return_input_ids``/``return_output_ids`` (sent with ``extra_body``), in
+  ``sglext.input_ids``/``sglext.output_ids``. All three places are read. As a
+  last resort for the completion, logprob tokens in vLLM's
+  ``return_tokens_as_token_ids`` form (``"token_id:123"``) are read as ids.
+
+A response without logprobs or token ids, or whose logprobs do not line up
+with its completion ids, raises :class:`~agent_backend.errors.PolicyError`
+(never a silently zeroed mask). Non-finite logprobs (NaN, infinities,
+``null``) are handled here, where they arrive, with the configured
+:data:`~agent_backend.rollout.logprobs.NonFinitePolicy` (PITFALLS 21); the
+JSON is parsed with a parser that accepts ``NaN`` literals so that they are
+seen, not mistaken for a broken response.
+
+HTTP 5xx, 408, 429, connection errors and timeouts are retried with
+exponential backoff and jitter, a bounded number of times; other 4xx are
+not. Each attempt is bounded by a client-side timeout.
+
+Tool calls are located by the project's tool-call layer
+(:func:`~agent_backend.tools.parse_tool_calls`): structured ``tool_calls``
+from a server with a tool parser, or Hermes ``<tool_call>`` blocks in the
+text from one without.
+
+This module must never return a turn whose logprobs are not finite or do not
+align with its completion ids, and never hide a missing field behind a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import anyio
+import httpx
+import orjson
+
+from agent_backend.errors import PolicyError, clip
+from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
+from agent_backend.tools import ToolCall
+from agent_backend.tools.calls import from_hermes, parse_tool_calls
+
+__all__ = [
+    "AssistantTurn",
+    "OpenAICompatiblePolicy",
+    "Policy",
+    "PolicyStatistics",
+    "chat_completions_url",
+]
+
+# HTTP statuses worth another attempt: the server is overloaded, restarting or timed out.
+_RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+_TOKEN_ID_PREFIX = "token_id:"
+_BODY_SHOWN = 300
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AssistantTurn:
+    """One sampled assistant turn, with everything a trainer needs of it.
+
+    ``logprobs`` are aligned with ``completion_ids`` and finite; ``mask`` is 1
+    on every sampled token except those a non-finite logprob policy masked
+    (their logprob is 0.0). ``drop_error`` is set when the ``drop`` policy
+    asks the whole rollout to be dropped.
+    """
+
+    message: dict[str, Any]
+    """The assistant message to append to the conversation (OpenAI chat format)."""
+    text: str
+    """The prose of the turn (Hermes ``<tool_call>`` blocks cut out)."""
+    tool_calls: tuple[ToolCall, ...]
+    """The calls located in the turn, arguments raw (checked when dispatched)."""
+    prompt_ids: list[int]
+    """Token ids of the prompt the server rendered for this turn."""
+    completion_ids: list[int]
+    """Token ids the policy sampled."""
+    logprobs: list[float]
+    """The sampler's logprob of each completion token (0.0 where ``mask`` is 0)."""
+    mask: list[int]
+    """1 per completion token, 0 where a non-finite logprob was masked."""
+    finish_reason: str
+    """``stop``, ``length``, ``tool_calls``... as the server said."""
+    non_finite: int = 0
+    """How many logprobs of this turn were NaN, infinite or missing."""
+    drop_error: str | None = None
+    """Set when the rollout must be dropped (non-finite logprobs under the ``drop`` policy)."""
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Samples one assistant turn: ``await policy.generate(messages, tools)``.
+
+    ``messages`` is the conversation in OpenAI chat format, ``tools`` the
+    tools in OpenAI function format (``ToolRegistry.to_openai()``),
+    ``max_tokens`` the most tokens this turn may sample (None: the policy's
+    own limit). Failures of the policy raise
+    :class:`~agent_backend.errors.PolicyError` (the episode records them).
+    """
+
+    async def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+    ) -> AssistantTurn: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyStatistics:
+    requests: int
+    """HTTP requests sent (attempts, retries included)."""
+    turns: int
+    """Turns answered."""
+    retries: int
+    """Attempts beyond the first."""
+    failures: int
+    """Calls of ``generate`` that raised a :class:`PolicyError`."""
+    seconds: float
+    """Wall time spent in ``generate``, summed over calls."""
+
+
+def chat_completions_url(url: str) -> str:
+    """The chat-completions endpoint of a server URL.
+
+    ``http://h:8000`` and ``http://h:8000/v1`` both give
+    ``http://h:8000/v1/chat/completions``; a URL already ending in
+    ``/chat/completions`` is kept.
+    """
+    base = url.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return base + "/chat/completions"
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _ids(value: object) -> list[int] | None:
+    """``value`` as a list of token ids, or None when it is not one."""
+    if isinstance(value, list) and all(_is_token_id(v) for v in value):
+        return value
+    return None
+
+
+class OpenAICompatiblePolicy:
+    """A policy served by vLLM or SGLang behind ``/v1/chat/completions``.
+
+    ``async with OpenAICompatiblePolicy(url, model=...) as policy``; or use it
+    without ``async with`` and call :meth:`aclose`. See the module docstring
+    for what is requested and required.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        top_logprobs: int = 1,
+        non_finite: NonFinitePolicy = "fail",
+        timeout: float = 300.0,
+        max_retries: int = 4,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        extra_body: Mapping[str, Any] | None = None,
+        counters: NonFiniteCounters | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        """
+        Args:
+            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
+            model: the served model name; None: the first of ``GET /v1/models``.
+            api_key: sent as ``Authorization: Bearer``.
+            temperature, top_p: sampling parameters (RL samples at temperature 1).
+            max_tokens: the most tokens one turn may sample (``max_tokens``), unless
+                ``generate`` is given a smaller bound.
+            top_logprobs: alternatives per token to ask for (at least 1: some engines
+                answer no logprobs at all without it).
+            non_finite: what to do with a NaN/inf/null logprob: mask, drop or fail.
+            timeout: seconds one HTTP attempt may take, end to end.
+            max_retries: attempts after the first, on 5xx/408/429, connection errors
+                and timeouts.
+            backoff, max_backoff: the first retry's delay, doubled per retry up to
+                ``max_backoff``, with jitter.
+            extra_body: more request fields (e.g. ``{"return_input_ids": true}`` for
+                SGLang's sglext, ``chat_template_kwargs``, ``repetition_penalty``).
+            counters: where non-finite logprobs are counted (shared with a pool).
+            client: an httpx client to use (not closed here); default: one of our own.
+        """
+        if top_logprobs < 1:
+            raise ValueError("top_logprobs must be at least 1 (PITFALLS 22)")
+        if not timeout > 0:
+            raise ValueError("timeout must be positive")
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.url = chat_completions_url(url)
+        self.model = model
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.top_logprobs = top_logprobs
+        self.non_finite: NonFinitePolicy = non_finite
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.extra_body = dict(extra_body or {})
+        self.counters = counters if counters is not None else NonFiniteCounters()
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._headers = headers
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self._closed = False
+        self._requests = 0
+        self._turns = 0
+        self._retries = 0
+        self._failures = 0
+        self._seconds = 0.0
+        self._model_lock = anyio.Lock()
+        self._random = random.Random()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<OpenAICompatiblePolicy {self.url} model={self.model!r}"
+            f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
+        )
+
+    def statistics(self) -> PolicyStatistics:
+        return PolicyStatistics(
+            requests=self._requests,
+            turns=self._turns,
+            retries=self._retries,
+            failures=self._failures,
+            seconds=self._seconds,
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (when it is ours); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            with anyio.CancelScope(shield=True):
+                await self._client.aclose()
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def request_body(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """The JSON body of one chat-completions request (shown in docs/rollouts.md)."""
+        body: dict[str, Any] = {
+            "messages": list(messages),
+            "temperature": self.temperature,
+            "logprobs": True,
+            "top_logprobs": self.top_logprobs,
+            "return_token_ids": True,
+            "stream": False,
+            "n": 1,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if tools:
+            body["tools"] = list(tools)
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
+        limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
+        if limits:
+            body["max_tokens"] = min(limits)
+        body.update(self.extra_body)
+        return body
+
+    async def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+    ) -> AssistantTurn:
+        """Sample one turn; :class:`PolicyError` when the server fails or answers unusably."""
+        if self._closed:
+            raise PolicyError("the policy client is closed", url=self.url)
+        started = time.perf_counter()
+        try:
+            if self.model is None:
+                await self._discover_model()
+            body = self.request_body(messages, tools, max_tokens=max_tokens)
+            data = await self._post(orjson.dumps(body))
+            turn = self._turn(data)
+        except PolicyError:
+            self._failures += 1
+            raise
+        finally:
+            self._seconds += time.perf_counter() - started
+        self._turns += 1
+        return turn
+
+    async def _discover_model(self) -> None:
+        async with self._model_lock:
+            if self.model is not None:
+                return
+            models_url = self.url.removesuffix("/chat/completions") + "/models"
+            try:
+                with anyio.fail_after(self.timeout):
+                    response = await self._client.get(models_url, headers=self._headers)
+                data = response.json()
+                self.model = str(data["data"][0]["id"])
+            except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                raise PolicyError(
+                    f"no model name given and {models_url} did not name one; pass model=",
+                    url=models_url,
+                    retryable=False,
+                ) from None
+
+    def _delay(self, retry: int) -> float:
+        ceiling: float = min(self.max_backoff, self.backoff * 2.0 ** (retry - 1))
+        return ceiling * (0.5 + self._random.random() / 2)
+
+    async def _post(self, payload: bytes) -> Any:
+        last: PolicyError | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._retries += 1
+                await anyio.sleep(self._delay(attempt))
+            self._requests += 1
+            try:
+                with anyio.fail_after(self.timeout):
+                    response = await self._client.post(
+                        self.url, content=payload, headers=self._headers
+                    )
+            except (httpx.TransportError, TimeoutError) as exc:
+                what = (
+                    "timed out"
+                    if isinstance(exc, (TimeoutError, httpx.TimeoutException))
+                    else (f"failed: {type(exc).__name__}: {clip(str(exc), 200)}")
+                )
+                last = PolicyError(
+                    f"the policy server at {self.url} {what}", url=self.url, retryable=True
+                )
+                continue
+            status = response.status_code
+            if status == 200:
+                return self._json(response)
+            detail = clip(response.text, _BODY_SHOWN)
+            last = PolicyError(
+                f"the policy server at {self.url} answered HTTP {status}: {detail}",
+                status=status,
+                url=self.url,
+                retryable=status in _RETRY_STATUSES,
+            )
+            if not last.retryable:
+                raise last
+        assert last is not None
+        if self.max_retries:
+            last = PolicyError(
+                f"{last.message} (gave up after {self.max_retries + 1} attempts)",
+                status=last.status,
+                url=last.url,
+                retryable=True,
+            )
+        raise last
+
+    def _json(self, response: httpx.Response) -> Any:
+        try:
+            # The standard parser, not orjson: it reads NaN/Infinity literals, which a
+            # server may send as logprobs; they must be seen and handled, not refused.
+            return json.loads(response.content)
+        except ValueError as exc:
+            raise PolicyError(
+                f"the policy server at {self.url} answered with invalid JSON ({exc}): "
+                f"{clip(response.text, _BODY_SHOWN)}",
+                status=response.status_code,
+                url=self.url,
+            ) from None
+
+    def _unusable(self, problem: str, fix: str = "") -> PolicyError:
+        return PolicyError(
+            f"the policy server at {self.url} answered without {problem}; a trainer cannot use "
+            f"this turn{'. ' + fix if fix else ''}",
+            status=200,
+            url=self.url,
+        )
+
+    # -- responses --------------------------------------------------------------------------------
+
+    def _turn(self, data: Any) -> AssistantTurn:
+        if not isinstance(data, dict):
+            raise self._unusable("a JSON object")
+        choices = data.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._unusable("choices")
+        choice: dict[str, Any] = choices[0]
+        raw_message = choice.get("message")
+        if not isinstance(raw_message, dict):
+            raise self._unusable("a message")
+        content = raw_message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise self._unusable("text content", "Multimodal content is not supported")
+        entries = self._logprob_entries(choice)
+        prompt_ids = self._prompt_ids(data, choice)
+        completion_ids = self._completion_ids(data, choice, entries)
+        if len(completion_ids) != len(entries):
+            raise PolicyError(
+                f"the policy server at {self.url} answered {len(completion_ids)} completion token "
+                f"ids but {len(entries)} logprobs; they must align one to one",
+                status=200,
+                url=self.url,
+            )
+        values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in entries]
+        check = check_logprobs(values, policy=self.non_finite, counters=self.counters)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        raw_calls = raw_message.get("tool_calls")
+        if raw_calls:
+            message["tool_calls"] = raw_calls
+        elif content is None:
+            message["content"] = ""
+        calls = parse_tool_calls(message)
+        text = from_hermes(content)[0] if content and "<tool_call>" in content else content or ""
+        finish = choice.get("finish_reason")
+        return AssistantTurn(
+            message=message,
+            text=text,
+            tool_calls=tuple(calls),
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=check.logprobs,
+            mask=check.mask,
+            finish_reason=str(finish) if finish else "stop",
+            non_finite=check.count,
+            drop_error=check.error,
+        )
+
+    def _logprob_entries(self, choice: dict[str, Any]) -> list[Any]:
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if not isinstance(entries, list):
+            raise self._unusable(
+                "logprobs",
+                f"The request asked for them (logprobs: true, top_logprobs: {self.top_logprobs}); "
+                "check that the server supports logprobs for chat completions "
+                "(vLLM: --max-logprobs must be >= top_logprobs)",
+            )
+        return entries
+
+    def _prompt_ids(self, data: dict[str, Any], choice: dict[str, Any]) -> list[int]:
+        sglext = data.get("sglext")
+        for candidate in (
+            data.get("prompt_token_ids"),  # vLLM
+            choice.get("prompt_token_ids"),  # SGLang return_token_ids
+            sglext.get("input_ids") if isinstance(sglext, dict) else None,  # SGLang sglext
+        ):
+            ids = _ids(candidate)
+            if ids is not None:
+                return ids
+        raise self._unusable(
+            "the prompt's token ids",
+            "The request asked for them (return_token_ids: true): upgrade a vLLM older than "
+            "that field (vllm-project/vllm#22587); "
+            "SGLang needs return_token_ids support, or extra_body={'return_input_ids': True, "
+            "'return_output_ids': True}",
+        )
+
+    def _completion_ids(
+        self, data: dict[str, Any], choice: dict[str, Any], entries: list[Any]
+    ) -> list[int]:
+        ids = _ids(choice.get("token_ids"))
+        if ids is not None:
+            return ids
+        sglext = data.get("sglext")
+        if isinstance(sglext, dict):
+            output = sglext.get("output_ids")
+            index = choice.get("index", 0)
+            if isinstance(output, list) and isinstance(index, int) and 0 <= index < len(output):
+                ids = _ids(output[index])
+                if ids is not None:
+                    return ids
+        # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:123".
+        parsed: list[int] = []
+        for entry in entries:
+            token = entry.get("token") if isinstance(entry, dict) else None
+            if not isinstance(token, str) or not token.startswith(_TOKEN_ID_PREFIX):
+                break
+            digits = token[len(_TOKEN_ID_PREFIX) :]
+            if not digits.isdigit():
+                break
+            parsed.append(int(digits))
+        else:
+            if entries:
+                return parsed
+        raise self._unusable(
+            "the completion's token ids",
+            "The request asked for them (return_token_ids: true): upgrade a vLLM older than "
+            "that field (vllm-project/vllm#22587)",
+        )

@@ -1,0 +1,1077 @@
+"""Many episodes at once: :class:`RolloutPool` turns prompts into delivered GRPO groups.
+
+For every prompt it claims from the :class:`~agent_backend.rollout.ledger.ResumeLedger`,
+the pool samples a group of ``n`` episodes (:func:`~agent_backend.rollout.episode.run_episode`),
+at most ``concurrency`` episodes at a time over all groups, and delivers the
+group either to a writer (:meth:`RolloutPool.run`: JSONL or Parquet on disk,
+what ``agent-backend rollout`` does) or to a trainer in the same process
+(:meth:`RolloutPool.stream`: an async iterator of batches).
+
+The bookkeeping follows the order that makes a crash harmless at any instant
+(PITFALLS 19, 20): a prompt is claimed (in flight), its group sampled, then
+delivered, and only once the consumer took it durably (the writer fsynced
+it, or the trainer asked for the next batch) is it marked trained. At
+delivery, a group older than ``max_staleness`` policy versions is dropped:
+marked dropped in the ledger (done, never trained, never redone) and
+counted, never delivered.
+
+Failures are contained (PITFALLS 23): a failed episode is a recorded
+trajectory (its ``stop_reason`` and ``error`` say why) delivered with its
+group; it never cancels its siblings or the step. A group whose every
+episode failed for the environment or the rollout layer (``env_error``,
+``rollout_error``) carries no signal: it is sampled again up to
+``group_retries`` times, then left for a later run (its prompt stays
+untrained and is redone on resume). ``max_failed_groups`` such groups in a
+row mean the infrastructure is down: the run stops with a
+:class:`~agent_backend.errors.RolloutError`, its ledger consistent. A rollout
+dropped for non-finite logprobs (the ``drop`` policy) is counted and not
+delivered. The ``fail`` policy stops the run with
+:class:`~agent_backend.errors.NonFiniteLogprobs`.
+
+Everything runs in task groups scoped to :meth:`RolloutPool.run` and
+:meth:`RolloutPool.stream`: no task outlives them, and leaving them (normally,
+by error or cancellation) cancels the episodes still running, whose
+sessions are closed on the way out.
+
+The ledger is used from the event loop only; file I/O (writer, checkpoint)
+runs in worker threads. This module must never mark a prompt trained before
+its group was taken durably, nor count a dropped group as trained.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import secrets
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Self
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from agent_backend.dispatch import Dispatcher
+from agent_backend.errors import NonFiniteLogprobs, RolloutError, clip
+from agent_backend.rollout.episode import (
+    EpisodeConfig,
+    EpisodeIds,
+    RewardFunction,
+    prompt_messages,
+    run_episode,
+)
+from agent_backend.rollout.ledger import ResumeLedger
+from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
+from agent_backend.rollout.policy import Policy
+from agent_backend.rollout.trajectory import Trajectory
+from agent_backend.rollout.writers import TrajectoryWriter
+from agent_backend.tools import ToolRegistry
+
+__all__ = [
+    "FAILED_STOP_REASONS",
+    "WRITER_POSITION",
+    "RayRolloutWorkers",
+    "RolloutPool",
+    "RolloutStatistics",
+    "RolloutStream",
+    "RolloutWorker",
+]
+
+#: Stop reasons of episodes that failed (the others ended as the policy or a limit decided).
+FAILED_STOP_REASONS: Final[frozenset[str]] = frozenset(
+    {"timeout", "tool_error", "env_error", "rollout_error"}
+)
+# A group made only of these carries no learning signal: the infrastructure failed.
+_INFRA_FAILURES: Final[frozenset[str]] = frozenset({"env_error", "rollout_error"})
+#: The key of a checkpoint's ``extra`` that holds the writer's durable position.
+WRITER_POSITION: Final[str] = "writer_position"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutStatistics:
+    """What a pool did so far (a snapshot: :meth:`RolloutPool.statistics`)."""
+
+    episodes_done: int
+    """Episodes finished, whatever their stop reason."""
+    episodes_failed: int
+    """Of those, episodes that failed (timeout, tool_error, env_error, rollout_error)."""
+    episodes_running: int
+    groups_delivered: int
+    """Groups taken durably by the writer or the trainer (their prompts are trained)."""
+    groups_dropped: int
+    """Groups dropped as stale at delivery (their prompts are dropped, never trained)."""
+    groups_failed: int
+    """Groups whose every episode failed, even after retries: left for a later run."""
+    rollouts_dropped: int
+    """Episodes dropped for non-finite logprobs (the ``drop`` policy); not delivered."""
+    turns: int
+    tool_calls: int
+    tool_failures: int
+    elapsed: float
+    """Seconds since the first run or stream of this pool started (0 before)."""
+    stop_reasons: Mapping[str, int]
+    non_finite: NonFiniteStats
+    policy_version: int
+
+    @property
+    def tool_calls_per_second(self) -> float:
+        return self.tool_calls / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def episodes_per_second(self) -> float:
+        return self.episodes_done / self.elapsed if self.elapsed > 0 else 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _Group:
+    index: int
+    trajectories: list[Trajectory]
+    """Every record of every episode (episodes may have several segments)."""
+    episodes: list[list[Trajectory]]
+    attempts: int
+
+    @property
+    def oldest_version(self) -> int:
+        return min((t.policy_version_start for t in self.trajectories), default=0)
+
+    def all_failed(self) -> bool:
+        return bool(self.episodes) and all(
+            e[0].stop_reason in _INFRA_FAILURES and not e[0].extras.get("dropped")
+            for e in self.episodes
+        )
+
+    def deliverable(self) -> list[Trajectory]:
+        """The records to deliver: every episode's but those dropped for non-finite logprobs."""
+        return [t for e in self.episodes if not e[0].extras.get("dropped") for t in e]
+
+
+class _Run:
+    """One run or stream: its prompts and ledger, and the first failure of any of its tasks.
+
+    A task that fails records its error and cancels the whole run (every task
+    is started through :meth:`guard`), so the error comes out of ``run()`` or
+    ``stream()`` as itself, not wrapped in nested exception groups.
+    """
+
+    def __init__(self, prompts: Sequence[Any], ledger: ResumeLedger) -> None:
+        self.prompts = prompts
+        self.ledger = ledger
+        self.scope: anyio.CancelScope | None = None
+        self.errors: list[Exception] = []
+
+    async def guard(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        try:
+            await function(*args)
+        except Exception as exc:
+            self.errors.append(exc)
+            if self.scope is not None:
+                self.scope.cancel()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            if len(self.errors) > 1:
+                first.add_note(f"{len(self.errors) - 1} more error(s) ended this run too")
+            raise first
+
+
+class RolloutPool:
+    """Runs GRPO groups of episodes concurrently and delivers them (module docstring).
+
+    ``policy`` samples turns, ``dispatcher`` (open) runs the tools, one session
+    per episode. Use :meth:`run` to write groups to disk, :meth:`stream` to
+    feed a trainer in this process; :meth:`set_policy_version` after each
+    weight update.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None,
+        dispatcher: Dispatcher | None,
+        *,
+        workers: RayRolloutWorkers | None = None,
+        tools: ToolRegistry | Sequence[Mapping[str, Any]] | None = None,
+        reward: RewardFunction | None = None,
+        n: int = 8,
+        concurrency: int = 64,
+        episode: EpisodeConfig | None = None,
+        max_staleness: int | None = None,
+        policy_version: int = 0,
+        group_retries: int = 1,
+        max_failed_groups: int | None = 8,
+        max_buffered_groups: int | None = None,
+        counters: NonFiniteCounters | None = None,
+    ) -> None:
+        """
+        Args:
+            policy: samples the turns (:class:`~agent_backend.rollout.policy.Policy`).
+            dispatcher: an open dispatcher; every episode opens its session on it.
+            workers: started :class:`RayRolloutWorkers` that run the episodes instead
+                (then ``policy``, ``dispatcher``, ``tools``, ``reward`` and ``episode``
+                are the workers' own and must not be given here).
+            tools: the tools offered (default: the dispatcher's registry).
+            reward: scores each finished episode (default: 0.0).
+            n: samples per prompt (the GRPO group size).
+            concurrency: episodes running at once, over all groups.
+            episode: the limits of each episode.
+            max_staleness: most policy versions a group may lag at delivery; None: any.
+            policy_version: the version of the policy's weights now.
+            group_retries: times a group whose every episode failed (env/rollout
+                errors) is sampled again before it is left for a later run.
+            max_failed_groups: such failed groups in a row that stop the run
+                (a RolloutError: the policy server or the pool is down); None: never.
+            max_buffered_groups: sampled groups waiting for the consumer before
+                sampling pauses (default: as many as run at once); bounds staleness.
+            counters: where non-finite logprobs are counted (default: the policy's).
+        """
+        if n < 1 or concurrency < 1:
+            raise ValueError("n and concurrency must be at least 1")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 (or None)")
+        if group_retries < 0:
+            raise ValueError("group_retries must be >= 0")
+        if max_failed_groups is not None and max_failed_groups < 1:
+            raise ValueError("max_failed_groups must be >= 1 (or None)")
+        if workers is not None:
+            given = [
+                name
+                for name, value in (
+                    ("policy", policy),
+                    ("dispatcher", dispatcher),
+                    ("tools", tools),
+                    ("reward", reward),
+                    ("episode", episode),
+                )
+                if value is not None
+            ]
+            if given:
+                raise ValueError(
+                    f"with Ray workers, {', '.join(given)} belong to the workers "
+                    "(RayRolloutWorkers(...)), not to the pool"
+                )
+            episode = workers.episode
+        elif policy is None or dispatcher is None:
+            raise ValueError("a RolloutPool needs a policy and a dispatcher, or Ray workers")
+        self.policy = policy
+        self.dispatcher = dispatcher
+        self.workers = workers
+        self._tools: list[dict[str, Any]] = []
+        if dispatcher is not None:
+            registry = tools if tools is not None else dispatcher.registry
+            self._tools = (
+                registry.to_openai()
+                if isinstance(registry, ToolRegistry)
+                else [dict(t) for t in registry]
+            )
+        self.reward = reward
+        self.n = n
+        self.concurrency = concurrency
+        self.episode_config = episode or EpisodeConfig()
+        self.max_staleness = max_staleness
+        self.group_retries = group_retries
+        self.max_failed_groups = max_failed_groups
+        self._groups_at_once = math.ceil(concurrency / n) + 1
+        self.max_buffered_groups = (
+            max_buffered_groups if max_buffered_groups is not None else self._groups_at_once
+        )
+        default_counters = getattr(policy, "counters", None)
+        self.counters: NonFiniteCounters = counters or (
+            default_counters
+            if isinstance(default_counters, NonFiniteCounters)
+            else NonFiniteCounters()
+        )
+        self._version = policy_version
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._run_id = secrets.token_hex(4)
+        self._started: float | None = None
+        self._running = 0
+        self._done = 0
+        self._failed = 0
+        self._delivered = 0
+        self._dropped = 0
+        self._groups_failed = 0
+        self._rollouts_dropped = 0
+        self._turns = 0
+        self._tool_calls = 0
+        self._tool_failures = 0
+        self._stop_reasons: Counter[str] = Counter()
+        self._active = False
+        self._closed = False
+
+    # -- state ------------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the policy's weights now (recorded on every rollout)."""
+        return self._version
+
+    def set_policy_version(self, version: int) -> None:
+        """Record a weight update: rollouts started from now on carry ``version``."""
+        if version < self._version:
+            raise ValueError(f"policy versions only go up ({self._version} -> {version})")
+        self._version = version
+
+    def statistics(self) -> RolloutStatistics:
+        elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
+        return RolloutStatistics(
+            episodes_done=self._done,
+            episodes_failed=self._failed,
+            episodes_running=self._running,
+            groups_delivered=self._delivered,
+            groups_dropped=self._dropped,
+            groups_failed=self._groups_failed,
+            rollouts_dropped=self._rollouts_dropped,
+            turns=self._turns,
+            tool_calls=self._tool_calls,
+            tool_failures=self._tool_failures,
+            elapsed=elapsed,
+            stop_reasons=dict(self._stop_reasons),
+            non_finite=self.counters.snapshot(),
+            policy_version=self._version,
+        )
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else (" running" if self._active else "")
+        return (
+            f"<RolloutPool n={self.n} [episodes: {self._running} running, {self._done} done,"
+            f" {self._failed} failed | groups: {self._delivered} delivered,"
+            f" {self._dropped} dropped] version={self._version}{state}>"
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Refuse new runs; idempotent. (Runs end with their own ``run``/``stream`` scope.)"""
+        self._closed = True
+
+    def _begin(self, prompts: Sequence[Any], ledger: ResumeLedger) -> None:
+        if self._closed:
+            raise RolloutError("the rollout pool is closed")
+        if self._active:
+            raise RolloutError("the rollout pool is already running (one run or stream at a time)")
+        if ledger.num_prompts is not None and ledger.num_prompts != len(prompts):
+            raise RolloutError(
+                f"the ledger {ledger.path} is for {ledger.num_prompts} prompts, "
+                f"and {len(prompts)} were given"
+            )
+        self._active = True
+        if self._started is None:
+            self._started = time.perf_counter()
+
+    # -- sampling ---------------------------------------------------------------------------------
+
+    def _stale(self, group: _Group) -> str | None:
+        """Why ``group`` is too old to deliver now, or None when it is fresh enough."""
+        if self.max_staleness is None:
+            return None
+        lag = self._version - group.oldest_version
+        if lag <= self.max_staleness:
+            return None
+        return (
+            f"stale: sampled at policy version {group.oldest_version}, delivered at "
+            f"{self._version} (max_staleness {self.max_staleness})"
+        )
+
+    async def _episode(
+        self, prompt: Any, index: int, sample: int, attempt: int
+    ) -> list[Trajectory]:
+        group_id = f"{self._run_id}-p{index}" + (f"-a{attempt}" if attempt else "")
+        ids = EpisodeIds(
+            rollout_id=f"{group_id}-s{sample}",
+            group_id=group_id,
+            prompt_index=index,
+            sample_idx=sample,
+        )
+        async with self._limiter:
+            self._running += 1
+            try:
+                if self.workers is not None:
+                    records = await self.workers.run_episode(prompt, ids, self._version)
+                else:
+                    assert self.policy is not None
+                    assert self.dispatcher is not None
+                    records = await run_episode(
+                        prompt,
+                        policy=self.policy,
+                        dispatcher=self.dispatcher,
+                        tools=self._tools,
+                        reward=self.reward,
+                        config=self.episode_config,
+                        ids=ids,
+                        policy_version=lambda: self._version,
+                    )
+            finally:
+                self._running -= 1
+        first = records[0]
+        self._done += 1
+        self._turns += first.num_turns
+        self._tool_calls += first.tool_calls
+        self._tool_failures += first.tool_failures
+        self._stop_reasons[first.stop_reason] += 1
+        if first.stop_reason in FAILED_STOP_REASONS:
+            self._failed += 1
+        if first.extras.get("dropped"):
+            self._rollouts_dropped += 1
+        return records
+
+    async def _sample_group(self, run: _Run, prompt: Any, index: int, attempt: int) -> _Group:
+        episodes: list[list[Trajectory]] = [[] for _ in range(self.n)]
+
+        async def one(sample: int) -> None:
+            episodes[sample] = await self._episode(prompt, index, sample, attempt)
+
+        async with anyio.create_task_group() as group:
+            for sample in range(self.n):
+                group.start_soon(run.guard, one, sample)
+        return _Group(
+            index=index,
+            trajectories=[t for e in episodes for t in e],
+            episodes=episodes,
+            attempts=attempt + 1,
+        )
+
+    async def _run_group(
+        self,
+        run: _Run,
+        prompt: Any,
+        index: int,
+        send: MemoryObjectSendStream[_Group],
+        slots: anyio.Semaphore,
+    ) -> None:
+        try:
+            async with send:
+                group = await self._sample_group(run, prompt, index, 0)
+                for attempt in range(1, self.group_retries + 1):
+                    if not group.all_failed():
+                        break
+                    group = await self._sample_group(run, prompt, index, attempt)
+                await send.send(group)
+        finally:
+            slots.release()
+
+    async def _produce(self, run: _Run, send: MemoryObjectSendStream[_Group]) -> None:
+        """Claim prompts as slots free up; each group samples in its own task."""
+        slots = anyio.Semaphore(self._groups_at_once)
+        async with send, anyio.create_task_group() as group:
+            while True:
+                await slots.acquire()
+                claimed = run.ledger.claim(1)
+                if not claimed:
+                    slots.release()
+                    break
+                index = claimed[0]
+                group.start_soon(
+                    run.guard,
+                    self._run_group,
+                    run,
+                    run.prompts[index],
+                    index,
+                    send.clone(),
+                    slots,
+                    name=f"rollout group {index}",
+                )
+
+    def _check_prompts(self, prompts: Sequence[Any]) -> None:
+        for index, prompt in enumerate(prompts):
+            try:
+                prompt_messages(prompt)
+            except ValueError as exc:
+                raise RolloutError(f"prompt {index}: {exc}") from None
+
+    # -- delivery to a writer ---------------------------------------------------------------------
+
+    async def run(
+        self,
+        prompts: Sequence[Any],
+        *,
+        ledger: ResumeLedger,
+        writer: TrajectoryWriter,
+        on_group: Callable[[Sequence[Trajectory]], None] | None = None,
+    ) -> RolloutStatistics:
+        """Sample every pending prompt of ``ledger`` and write each group to ``writer``.
+
+        Each delivered group is flushed (fsync), its prompt marked trained, and
+        the ledger checkpointed with the writer's position under
+        ``extra["writer_position"]`` (open the writer with ``truncate_to=`` it
+        on resume; see :mod:`agent_backend.rollout.writers`). Stale groups are
+        marked dropped and checkpointed too. ``on_group`` is called (in the
+        event loop) with each delivered group, e.g. to update a progress bar.
+
+        Returns the statistics at the end. Raises :class:`RolloutError` when
+        ``max_failed_groups`` groups in a row failed, and whatever the writer
+        or the ledger raise; the ledger stays consistent in every case (the
+        prompts in flight are redone on resume).
+        """
+        self._check_prompts(prompts)
+        self._begin(prompts, ledger)
+        deferred: list[int] = []
+        run = _Run(prompts, ledger)
+        try:
+            send, receive = anyio.create_memory_object_stream[_Group](self.max_buffered_groups)
+            async with receive, anyio.create_task_group() as tasks:
+                run.scope = tasks.cancel_scope
+                tasks.start_soon(run.guard, self._produce, run, send, name="rollout producer")
+                await run.guard(self._write_all, receive, ledger, writer, deferred, on_group)
+        finally:
+            self._active = False
+            self._release(ledger, deferred)
+        run.raise_first()
+        return self.statistics()
+
+    async def _write_all(
+        self,
+        receive: MemoryObjectReceiveStream[_Group],
+        ledger: ResumeLedger,
+        writer: TrajectoryWriter,
+        deferred: list[int],
+        on_group: Callable[[Sequence[Trajectory]], None] | None,
+    ) -> None:
+        failed_in_a_row = 0
+        async for group in receive:
+            if group.all_failed():
+                failed_in_a_row = self._defer(group, deferred, failed_in_a_row)
+                continue
+            failed_in_a_row = 0
+            reason = self._drop_reason(group)
+            records: list[Trajectory] = []
+            if reason is not None:
+                ledger.mark_dropped(group.index, reason)
+                self._dropped += 1
+            else:
+                records = group.deliverable()
+                await anyio.to_thread.run_sync(writer.write_group, records)
+                ledger.mark_trained([group.index])
+                self._delivered += 1
+            # Shielded: a group written and marked is also checkpointed, even on Ctrl-C
+            # (a few milliseconds; otherwise it would be cut from the file and redone).
+            with anyio.CancelScope(shield=True):
+                await ledger.acheckpoint(extra={WRITER_POSITION: writer.position})
+            if on_group is not None and records:
+                on_group(records)
+
+    def _drop_reason(self, group: _Group) -> str | None:
+        stale = self._stale(group)
+        if stale is not None:
+            return stale
+        if not group.deliverable():
+            return "dropped: every rollout had non-finite logprobs"
+        return None
+
+    def _defer(self, group: _Group, deferred: list[int], failed_in_a_row: int) -> int:
+        self._groups_failed += 1
+        deferred.append(group.index)
+        failed_in_a_row += 1
+        if self.max_failed_groups is not None and failed_in_a_row >= self.max_failed_groups:
+            first = group.episodes[0][0]
+            raise RolloutError(
+                f"{failed_in_a_row} groups in a row failed in every episode (each tried "
+                f"{group.attempts} times); the last error: {first.stop_reason}: {first.error}"
+            )
+        return failed_in_a_row
+
+    @staticmethod
+    def _release(ledger: ResumeLedger, deferred: list[int]) -> None:
+        """Give back the prompts this run claimed and did not finish: redone by a later run."""
+        for index in ledger.in_flight():
+            ledger.release(index)
+        deferred.clear()
+
+    # -- delivery to a trainer in this process ----------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        prompts: Sequence[Any],
+        *,
+        ledger: ResumeLedger | None = None,
+        groups_per_batch: int = 1,
+    ) -> AsyncIterator[RolloutStream]:
+        """Batches of whole groups for a trainer in this process.
+
+        ::
+
+            async with pool.stream(prompts, ledger=ledger, groups_per_batch=4) as batches:
+                async for batch in batches:          # list[Trajectory]: 4 groups
+                    train_on(batch)
+                    pool.set_policy_version(step)
+                    ledger.checkpoint(extra={"step": step})   # with the weights
+
+        A batch's prompts are marked trained when the trainer asks for the
+        next batch, or leaves the ``async with`` without an exception; a batch
+        being trained when an exception ends the block stays in flight (and is
+        redone after a resume). Staleness is checked when a group is put in a
+        batch. The pool never checkpoints the ledger here: the trainer does,
+        together with its weights, so that the two never disagree.
+        """
+        if groups_per_batch < 1:
+            raise ValueError("groups_per_batch must be at least 1")
+        self._check_prompts(prompts)
+        if ledger is None:
+            ledger = ResumeLedger(Path("<memory>"), num_prompts=len(prompts))
+        self._begin(prompts, ledger)
+        run = _Run(prompts, ledger)
+        # The trainer's own error, raised as itself after the task group (which would wrap it).
+        trainer_error: BaseException | None = None
+        try:
+            send, receive = anyio.create_memory_object_stream[_Group](self.max_buffered_groups)
+            # The receiving end closes after the tasks ended, so a group being sent
+            # at the end is cancelled, not refused (which would read as an error).
+            async with receive, anyio.create_task_group() as tasks:
+                run.scope = tasks.cancel_scope
+                tasks.start_soon(run.guard, self._produce, run, send, name="rollout producer")
+                stream = RolloutStream(self, receive, ledger, groups_per_batch)
+                try:
+                    yield stream
+                except BaseException as exc:
+                    trainer_error = exc
+                else:
+                    stream._commit()
+                tasks.cancel_scope.cancel()  # the trainer is done (or failed): stop sampling
+        finally:
+            self._active = False
+            self._release(ledger, [])
+        run.raise_first()  # a failed sampling task comes first: it is why the trainer was cancelled
+        if trainer_error is not None:
+            raise trainer_error
+
+
+class RolloutStream:
+    """The async iterator of :meth:`RolloutPool.stream`: ``list[Trajectory]`` batches of whole groups."""
+
+    def __init__(
+        self,
+        pool: RolloutPool,
+        receive: MemoryObjectReceiveStream[_Group],
+        ledger: ResumeLedger,
+        groups_per_batch: int,
+    ) -> None:
+        self._pool = pool
+        self._receive = receive
+        self.ledger = ledger
+        self._groups_per_batch = groups_per_batch
+        self._taken: list[int] = []
+        self._failed_in_a_row = 0
+        self._deferred: list[int] = []
+        self.batches = 0
+
+    def __aiter__(self) -> Self:
+        return self
+
+    def _commit(self) -> None:
+        """The trainer took the last batch: mark its prompts trained."""
+        if self._taken:
+            self.ledger.mark_trained(self._taken)
+            self._pool._delivered += len(self._taken)
+            self._taken = []
+
+    async def __anext__(self) -> list[Trajectory]:
+        self._commit()
+        pool = self._pool
+        groups: list[_Group] = []
+        while len(groups) < self._groups_per_batch:
+            try:
+                group = await self._receive.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                break
+            if group.all_failed():
+                self._failed_in_a_row = pool._defer(group, self._deferred, self._failed_in_a_row)
+                continue
+            self._failed_in_a_row = 0
+            reason = pool._drop_reason(group)
+            if reason is not None:
+                self.ledger.mark_dropped(group.index, reason)
+                pool._dropped += 1
+                continue
+            groups.append(group)
+        if not groups:
+            raise StopAsyncIteration
+        self._taken = [g.index for g in groups]
+        self.batches += 1
+        return [t for g in groups for t in g.deliverable()]
+
+
+# -- scale-out: rollout workers as Ray actors ------------------------------------------------------
+
+
+class RolloutWorker:
+    """The code inside one Ray actor: runs episodes with its own policy client and tool pool.
+
+    Public so that Ray can import it by name on any node; use it through
+    :class:`RayRolloutWorkers`. Its policy client, tool pool and dispatcher are
+    opened on the first episode, in one task that holds them for the actor's
+    life (an async context must be left by the task that entered it), and
+    closed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: Mapping[str, Any],
+        tools_dir: str,
+        functions: Sequence[tuple[str, str | None]],
+        tool_pool: Any,
+        episode: EpisodeConfig,
+        reward: RewardFunction | None,
+    ) -> None:
+        self.name = name
+        self._policy_options = dict(policy)
+        self._tools_dir = tools_dir
+        self._functions = list(functions)
+        self._tool_pool = tool_pool
+        self._episode = episode
+        self._reward = reward
+        self._ready: anyio.Event | None = None
+        self._closing = anyio.Event()
+        self._holder: Any = None
+        self._error: BaseException | None = None
+        self._parts: tuple[Policy, Dispatcher, list[dict[str, Any]]] | None = None
+        self._counters = NonFiniteCounters()
+
+    async def describe(self) -> dict[str, Any]:
+        """Who and where this worker is (answers once the actor runs)."""
+        import os
+        import socket
+
+        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
+
+    async def _hold(self) -> None:
+        from agent_backend.pool import load_pool
+        from agent_backend.rollout.policy import OpenAICompatiblePolicy
+
+        assert self._ready is not None
+        try:
+            registry = ToolRegistry.from_dir(self._tools_dir)
+            for path, tool_name in self._functions:
+                registry.add_function(_import_function(path), name=tool_name)
+            async with (
+                load_pool(self._tool_pool) as backend,
+                Dispatcher(registry, backend) as dispatcher,
+                OpenAICompatiblePolicy(**self._policy_options, counters=self._counters) as policy,
+            ):
+                self._parts = (policy, dispatcher, registry.to_openai())
+                self._ready.set()
+                await self._closing.wait()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._parts = None
+            self._ready.set()
+
+    async def _open(self) -> tuple[Policy, Dispatcher, list[dict[str, Any]]]:
+        import asyncio
+
+        if self._ready is None:
+            self._ready = anyio.Event()
+            # The actor's own long-lived task (Ray runs every method on this loop); close() ends it.
+            self._holder = asyncio.get_running_loop().create_task(self._hold())
+        await self._ready.wait()
+        if self._parts is None:
+            raise RolloutError(f"rollout worker {self.name} could not start: {self._error!r}")
+        return self._parts
+
+    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
+        """One episode on this worker's node; its records, tagged with the worker's name."""
+        policy, dispatcher, tools = await self._open()
+        records = await run_episode(
+            prompt,
+            policy=policy,
+            dispatcher=dispatcher,
+            tools=tools,
+            reward=self._reward,
+            config=self._episode,
+            ids=ids,
+            policy_version=lambda: version,
+        )
+        return [r.model_copy(update={"extras": {**r.extras, "worker": self.name}}) for r in records]
+
+    async def non_finite(self) -> NonFiniteStats:
+        return self._counters.snapshot()
+
+    async def close(self) -> None:
+        """Close the policy client, the dispatcher (every session) and the tool pool."""
+        self._closing.set()
+        if self._holder is not None:
+            with contextlib.suppress(BaseException):
+                await self._holder
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Worker:
+    name: str
+    handle: Any
+    live: bool = True
+    in_flight: int = 0
+    cause: str | None = None
+
+
+class RayRolloutWorkers:
+    """Rollout workers as Ray actors, for :class:`RolloutPool` (``workers=``): episodes scale out.
+
+    A Ray pool file (``type = "ray"``, ``pools/ray.example.toml``) says where
+    and how many: ``address`` (or a local Ray), ``replicas`` workers, each
+    reserving ``num_cpus``/``num_gpus``/``resources``, with ``runtime_env``,
+    running up to ``max_concurrency`` episodes at once. Every worker has its
+    own policy client (``policy``: the keyword arguments of
+    :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`, URL
+    included) and runs its episodes' tools on ``tool_pool`` (default: its own
+    node, the local pool): the tool files of ``tools_dir`` (default: the
+    built-ins), and the pool file's ``tools``, Python functions imported by
+    each worker and run in it. ``reward`` must pickle.
+
+    A worker that dies is not used again: its episodes in flight end as
+    ``env_error`` records; when none is left, every episode does, and the
+    pool's ``max_failed_groups`` stops the run. A cancelled episode is
+    cancelled on its worker too (``ray.cancel``).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        policy: Mapping[str, Any],
+        tools_dir: str | Path | None = None,
+        tool_pool: Any = None,
+        episode: EpisodeConfig | None = None,
+        reward: RewardFunction | None = None,
+    ) -> None:
+        from agent_backend.backends.ray import RayPoolConfig
+        from agent_backend.pool import DEFAULT_POOL
+
+        if not isinstance(config, RayPoolConfig):
+            raise TypeError(f"a Ray pool config, not {type(config).__name__}")
+        if "url" not in policy:
+            raise ValueError("policy needs the server's url")
+        self.config = config
+        self.episode = episode or EpisodeConfig()
+        self._policy = dict(policy)
+        default_tools = Path(__file__).resolve().parents[2] / "schemas" / "tools"
+        self._tools_dir = str(tools_dir if tools_dir is not None else default_tools)
+        self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
+        self._reward = reward
+        self._workers: list[_Worker] = []
+        self._owns_ray = False
+        self._state: str = "new"
+
+    def __repr__(self) -> str:
+        live = sum(w.live for w in self._workers)
+        busy = sum(w.in_flight for w in self._workers)
+        return f"<RayRolloutWorkers [{live}/{len(self._workers)} live | {busy} episodes] {self._state}>"
+
+    @property
+    def workers(self) -> list[tuple[str, bool, int]]:
+        """``(name, live, episodes in flight)`` of every worker."""
+        return [(w.name, w.live, w.in_flight) for w in self._workers]
+
+    @property
+    def capacity(self) -> int:
+        """Episodes the live workers run at once."""
+        return sum(w.live for w in self._workers) * self.config.max_concurrency
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _connect(self) -> bool:
+        import ray
+
+        from agent_backend.backends.ray import _loopback_only
+
+        if ray.is_initialized():
+            return False  # someone else's connection (a trainer's ray.init()): used, kept
+        config = self.config
+        if config.address is not None:
+            ray.init(address=config.address, log_to_driver=config.log_to_driver)
+        else:
+            _loopback_only()
+            local = config.local
+            ray.init(
+                num_cpus=local.num_cpus,
+                num_gpus=local.num_gpus,
+                object_store_memory=local.object_store_memory,
+                resources=local.resources or None,
+                include_dashboard=False,
+                log_to_driver=config.log_to_driver,
+            )
+        return True
+
+    async def start(self) -> None:
+        """Connect to Ray (or start a local one) and start every worker; wait until they run."""
+        import ray
+
+        from agent_backend.errors import BackendUnavailable
+
+        if self._state != "new":
+            raise RolloutError(
+                f"the Ray rollout workers can be started once (they are {self._state})"
+            )
+        self._state = "starting"
+        try:
+            self._owns_ray = await anyio.to_thread.run_sync(self._connect)
+            remote = ray.remote(RolloutWorker)
+            token = secrets.token_hex(3)
+            for index in range(self.config.replicas):
+                name = f"{self.config.name}-rollout-{index}"
+                options: dict[str, Any] = {
+                    "name": f"agent_backend/rollout/{token}/{index}",
+                    "num_cpus": self.config.num_cpus,
+                    "num_gpus": self.config.num_gpus,
+                    "max_concurrency": self.config.max_concurrency + 2,  # + close, describe
+                    "max_restarts": 0,
+                    "max_task_retries": 0,
+                }
+                if self.config.resources:
+                    options["resources"] = dict(self.config.resources)
+                if self.config.runtime_env is not None:
+                    options["runtime_env"] = self.config.runtime_env
+                functions = [(tool.function, tool.name) for tool in self.config.tools]
+                handle = remote.options(**options).remote(
+                    name,
+                    self._policy,
+                    self._tools_dir,
+                    functions,
+                    self._tool_pool,
+                    self.episode,
+                    self._reward,
+                )
+                self._workers.append(_Worker(name, handle))
+            with anyio.fail_after(self.config.start_timeout):
+                for worker in self._workers:
+                    await worker.handle.describe.remote()
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            await self.aclose()
+            raise BackendUnavailable(
+                f"the Ray rollout workers did not start within {self.config.start_timeout:g} s: "
+                f"{type(exc).__name__}: {clip(str(exc), 300)}",
+                backend="ray",
+            ) from None
+        except BaseException:
+            await self.aclose()
+            raise
+        self._state = "open"
+
+    async def aclose(self) -> None:
+        """Close every worker (sessions, policy clients), kill the actors; idempotent."""
+        import ray
+
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(15):
+                for worker in self._workers:
+                    if worker.live:
+                        with contextlib.suppress(Exception):
+                            await worker.handle.close.remote()
+            for worker in self._workers:
+                worker.live = False
+                with contextlib.suppress(Exception):
+                    ray.kill(worker.handle, no_restart=True)
+            if self._owns_ray:
+                self._owns_ray = False
+                await anyio.to_thread.run_sync(ray.shutdown)
+
+    def _pick(self) -> _Worker | None:
+        live = [w for w in self._workers if w.live]
+        return min(live, key=lambda w: w.in_flight) if live else None
+
+    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
+        """One episode on the least-loaded live worker; a lost worker gives an env_error record."""
+        import ray
+
+        worker = self._pick()
+        if worker is None or self._state != "open":
+            return self._failed(ids, version, "env_error", "no live Ray rollout worker is left")
+        worker.in_flight += 1
+        ref = worker.handle.run_episode.remote(prompt, ids, version)
+        try:
+            records: list[Trajectory] = await ref
+            return records
+        except ray.exceptions.TaskCancelledError:
+            raise
+        except ray.exceptions.RayTaskError as exc:
+            found = getattr(exc, "cause", None)
+            cause = found if isinstance(found, Exception) else exc
+            if isinstance(cause, NonFiniteLogprobs):
+                raise cause from None  # the "fail" policy: the run must stop
+            return self._failed(ids, version, "rollout_error", f"{type(cause).__name__}: {cause}")
+        except ray.exceptions.RayError as exc:
+            worker.live = False
+            worker.cause = f"{type(exc).__name__}: {clip(str(exc), 300)}"
+            return self._failed(
+                ids, version, "env_error", f"rollout worker {worker.name} was lost: {worker.cause}"
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref)  # the episode stops on its worker too; its session closes there
+            raise
+        finally:
+            worker.in_flight -= 1
+
+    def _failed(self, ids: EpisodeIds, version: int, reason: Any, error: str) -> list[Trajectory]:
+        return _failed_record(ids, version, reason, error, self.episode.failure_reward)
+
+    async def non_finite(self) -> NonFiniteStats:
+        """The non-finite logprob counts of every live worker, summed."""
+        totals: Counter[str] = Counter()
+        for worker in self._workers:
+            if worker.live:
+                with contextlib.suppress(Exception):
+                    stats = await worker.handle.non_finite.remote()
+                    totals.update(dataclasses.asdict(stats))
+        return NonFiniteStats(**totals)
+
+
+def _import_function(path: str) -> Callable[..., Any]:
+    """``package.module:function`` (or ``module:Class.method``), imported."""
+    import importlib
+
+    module_name, _, attributes = path.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for attribute in attributes.split("."):
+        target = getattr(target, attribute)
+    if not callable(target):
+        raise TypeError(f"{path} is not a function")
+    return target  # type: ignore[no-any-return]
+
+
+def _failed_record(
+    ids: EpisodeIds, version: int, reason: Any, error: str, reward: float
+) -> list[Trajectory]:
+    """The record of an episode that never ran on its worker (lost, or no worker left)."""
+    from agent_backend.rollout.trajectory import SegmentBuilder
+
+    return SegmentBuilder().build(
+        rollout_id=ids.rollout_id,
+        group_id=ids.group_id,
+        sample_idx=ids.sample_idx,
+        prompt_index=ids.prompt_index,
+        reward=reward,
+        policy_version_start=version,
+        policy_version_end=version,
+        stop_reason=reason,
+        num_turns=0,
+        error=clip(error, 2000),
+    )

@@ -1,0 +1,87 @@
+"""RL rollouts: multi-turn episodes with tools, trainer-ready trajectories, resume bookkeeping.
+
+docs/rollouts.md (running rollouts, TRL and verl) and docs/rollout-records.md
+(the record, the ledger, the writers). The names below are imported lazily
+(PEP 562), so ``agent-backend --help`` does not pay for the rollout layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent_backend.rollout.episode import (
+        EpisodeConfig,
+        RewardInput,
+        ToolReward,
+        run_episode,
+    )
+    from agent_backend.rollout.ledger import ResumeLedger
+    from agent_backend.rollout.logprobs import NonFinitePolicy, check_logprobs
+    from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
+    from agent_backend.rollout.pool import RolloutPool, RolloutStatistics
+    from agent_backend.rollout.trainers import batches, to_trl, to_verl_fields
+    from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
+    from agent_backend.rollout.writers import JsonlWriter, ParquetWriter, open_writer
+
+__all__ = [
+    "AssistantTurn",
+    "EpisodeConfig",
+    "JsonlWriter",
+    "NonFinitePolicy",
+    "OpenAICompatiblePolicy",
+    "ParquetWriter",
+    "Policy",
+    "ResumeLedger",
+    "RewardInput",
+    "RolloutPool",
+    "RolloutStatistics",
+    "SegmentBuilder",
+    "StopReason",
+    "ToolReward",
+    "Trajectory",
+    "batches",
+    "check_logprobs",
+    "open_writer",
+    "run_episode",
+    "to_trl",
+    "to_verl_fields",
+]
+
+_HOME = {
+    "AssistantTurn": "policy",
+    "OpenAICompatiblePolicy": "policy",
+    "Policy": "policy",
+    "EpisodeConfig": "episode",
+    "RewardInput": "episode",
+    "ToolReward": "episode",
+    "run_episode": "episode",
+    "ResumeLedger": "ledger",
+    "NonFinitePolicy": "logprobs",
+    "check_logprobs": "logprobs",
+    "RolloutPool": "pool",
+    "RolloutStatistics": "pool",
+    "batches": "trainers",
+    "to_trl": "trainers",
+    "to_verl_fields": "trainers",
+    "SegmentBuilder": "trajectory",
+    "StopReason": "trajectory",
+    "Trajectory": "trajectory",
+    "JsonlWriter": "writers",
+    "ParquetWriter": "writers",
+    "open_writer": "writers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

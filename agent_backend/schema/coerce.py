@@ -17,69 +17,62 @@ branch that already accepts the value wins over any conversion. Branches
 are tried in declared order. Input is never mutated: changed containers are
 copied on write. This module never validates the final result: the caller
 does that against the original schema.
+
+Each schema node is compiled once, on the first repair, into one function
+``fix(value, depth, check)`` that does only what that node asks for: a node
+with nothing to repair compiles to :func:`keep` and its parent skips it, a
+``type: integer`` node checks the type and converts a string, an object node
+holds a key -> child-function table. ``$ref`` (kept only for recursive
+schemas) is compiled lazily on first use, so a recursive schema never
+recurses at compile time, and compiling walks the schema without recursion.
+The value-level rules live in ``coerce_rules.py``.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import decimal
-import math
-import re
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any, Final
 
-from agent_backend.schema.parse import check_depth, json_type_name, load_json_value
+import orjson
+
+from agent_backend.schema.coerce_nodes import (
+    Accepts,
+    Fix,
+    IsValid,
+    Step,
+    container_fix,
+    keep,
+    object_descend,
+    object_fix,
+    properties_descend,
+    type_fix,
+    union_fix,
+)
+from agent_backend.schema.coerce_rules import (
+    CONVERSION_ORDER,
+    FAIL,
+    PYTHON_TYPES,
+    TEXT_RULES,
+    TYPE_ONLY_KEYS,
+    compile_patterns,
+    json_equal,
+    type_allowed,
+    type_plan,
+)
+from agent_backend.schema.parse import BIG_FLOAT, check_depth, json_type_name, load_json_value
 
 __all__ = ["Coercer"]
 
-_FAIL: Final = object()
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-_MAX_NUMBER_TEXT = 400
-_BOOLEANS = {"true": True, "false": False, "True": True, "False": False}
-_CONVERSION_ORDER = ("integer", "number", "boolean", "null", "object", "array")
-
-IsValid = Callable[[Any, Any], bool]
-_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
-_PYTHON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "null": (type(None),),
-    "object": (dict,),
-    "array": (list,),
-}
-
-
-@dataclasses.dataclass(slots=True)
-class _Plan:
-    """What repair needs from one schema node, read once per node instead of on every visit."""
-
-    ref: Any
-    members: list[Any] | None
-    member_kinds: tuple[str, ...]
-    types: frozenset[Any] | None
-    unions: tuple[list[Any], ...]
-    all_of: list[Any]
-    properties: dict[str, Any]
-    patterns: tuple[tuple[re.Pattern[str], Any], ...]
-    additional: dict[str, Any] | None
-    prefix: list[Any]
-    rest: Any
-    defaults: tuple[tuple[str, Any], ...]
-    only_types: bool
-    """Nothing but ``type`` matters for a scalar here (no ref, enum, const or combinators)."""
-    python_types: frozenset[type]
-    """Python types that certainly satisfy ``types`` (a fast check before ``_type_allowed``)."""
-    text_rules: tuple[Callable[[str], Any], ...]
-    """The string-to-scalar rules ``types`` asks for, in conversion order (stripped text in)."""
-    type_is_all: bool
-    """``type`` is this node's only assertion: a value of a type in ``python_types`` is valid."""
+_KNOWN_TYPES: Final = frozenset(PYTHON_TYPES)
+#: A node with only these keys is its ``$ref`` target, as far as validity and repair go.
+_BARE_REF_KEYS: Final = (TYPE_ONLY_KEYS - {"type"}) | {"$ref"}
+_CONTAINERS: Final = (dict, list)
+_OPENERS: Final = (("object", "{", dict), ("array", "[", list))
+_OBJECT_KEYWORDS: Final = frozenset(("properties", "patternProperties", "additionalProperties"))
 
 
 class Coercer:
-    """Repair for one resolved schema; built once and reused (it keeps only per-node plans)."""
+    """Repair for one resolved schema; built once and reused (nodes are compiled on first use)."""
 
     def __init__(
         self,
@@ -93,234 +86,380 @@ class Coercer:
         self._is_valid = is_valid
         self._max_depth = max_depth
         self._inject_defaults = inject_defaults
-        self._plans: dict[int, tuple[Any, _Plan]] = {}
+        # Whether children first keep what their subschema accepts (never when injecting
+        # defaults: a valid object may still lack a default).
+        self._check = not inject_defaults
+        # id(node) -> (node, its function). Holding the node keeps its id from being reused.
+        self._compiled: dict[int, tuple[Any, Fix]] = {}
+        self._fix: Fix | None = None
 
     def coerce(self, value: Any, *, known_invalid: bool = False) -> Any:
         """``value`` with what fails repaired; ``known_invalid`` skips re-checking the whole value."""
-        return self._coerce(value, self._root, 1, known_invalid)
+        fix = self._fix
+        if fix is None:
+            fix = self._fix = self._compile(self._root)
+        return fix(value, 1, self._check and not known_invalid)
 
-    # -- one schema node ---------------------------------------------------------------
+    # -- compiling ---------------------------------------------------------------------
 
-    def _coerce(self, value: Any, node: Any, depth: int, known_invalid: bool = False) -> Any:
-        if not isinstance(node, dict):
-            return value
-        if (
-            not known_invalid
-            and not self._inject_defaults
-            and isinstance(value, (dict, list))
-            and self._is_valid(node, value)
-        ):
-            return value
-        entry = self._plans.get(id(node))
-        plan = entry[1] if entry is not None else self._plan(node)
-        if plan.ref is not None:
-            value = self._coerce(value, plan.ref, depth)
-        if plan.members is not None or plan.types is not None:
-            value = self._convert_here(value, plan, depth)
-        for branches in plan.unions:
-            value = self._choose_branch(value, branches, depth)
-        for branch in plan.all_of:
-            value = self._coerce(value, branch, depth)
-        if isinstance(value, dict):
-            return self._descend_object(value, plan, depth)
-        if isinstance(value, list):
-            return self._descend_array(value, plan, depth)
-        return value
-
-    def _choose_branch(self, value: Any, branches: list[Any], depth: int) -> Any:
-        if any(self._accepts(branch, value) for branch in branches):
-            return value
-        for branch in branches:
-            candidate = self._coerce(value, branch, depth)
-            if candidate is not value and self._is_valid(branch, candidate):
-                return candidate
-        return value
-
-    def _accepts(self, node: Any, value: Any) -> bool:
-        """``is_valid(node, value)``, answered here when the node asserts nothing but a type."""
-        entry = self._plans.get(id(node))
-        plan = entry[1] if entry is not None else (self._plan(node) if type(node) is dict else None)
-        if plan is not None and plan.type_is_all and type(value) in plan.python_types:
-            return True
-        return self._is_valid(node, value)
-
-    def _convert_here(self, value: Any, plan: _Plan, depth: int) -> Any:
-        """Apply this node's own ``type``/``enum``/``const`` to a value of the wrong kind."""
-        members = plan.members
-        if members is not None:
-            if any(_json_equal(value, m) for m in members):
-                return value
-            for kind in plan.member_kinds:
-                candidate = self._convert(value, kind, depth)
-                if candidate is not _FAIL and any(_json_equal(candidate, m) for m in members):
-                    return candidate
-            return value
-        types = plan.types
-        if types is None or _type_allowed(value, types):
-            return value
-        for kind in _CONVERSION_ORDER:
-            if kind in types:
-                candidate = self._convert(value, kind, depth)
-                if candidate is not _FAIL:
-                    return candidate
-        if "array" in types and not isinstance(value, list):
-            return [value]
-        return value
-
-    def _convert(self, value: Any, kind: str, depth: int) -> Any:
-        """``value`` (a string, for every rule but none) as a ``kind``, or ``_FAIL``."""
-        if not isinstance(value, str):
-            return _FAIL
-        text = value.strip()
-        rule = _RULES_BY_KIND.get(kind)
-        if rule is not None:
-            return rule(text)
-        if kind in ("object", "array"):
-            opener = "{" if kind == "object" else "["
-            if not text.startswith(opener):
-                return _FAIL
-            try:
-                parsed = load_json_value(text)
-                check_depth(parsed, self._max_depth, start=depth)
-            except ValueError:
-                return _FAIL
-            wanted = dict if kind == "object" else list
-            return parsed if isinstance(parsed, wanted) else _FAIL
-        return _FAIL
-
-    # -- children ----------------------------------------------------------------------
-
-    def _descend_object(self, value: dict[str, Any], plan: _Plan, depth: int) -> Any:
-        properties = plan.properties
-        result = value
-        plans = self._plans
-        for key, child in value.items():
-            schema = properties.get(key)
-            if schema is None:
-                new = child
+    def _compile(self, top: Any) -> Fix:
+        """Compile ``top`` and every node below it (not through ``$ref``), children first."""
+        compiled = self._compiled
+        opened: set[int] = set()  # nodes whose children are on the stack above them
+        stack = [top]
+        while stack:
+            node = stack[-1]
+            key = id(node)
+            if key in compiled or not isinstance(node, dict):
+                stack.pop()
+            elif key in opened:
+                stack.pop()
+                compiled[key] = (node, self._build(node))
             else:
-                entry = plans.get(id(schema))
-                if entry is not None and entry[1].only_types and type(child) in _SCALAR_TYPES:
-                    new = self._repair_scalar(child, entry[1], depth + 1)
-                else:
-                    new = self._coerce(child, schema, depth + 1)
-            matched = schema is not None
-            for pattern, pattern_schema in plan.patterns:
-                if pattern.search(key):
-                    new = self._coerce(new, pattern_schema, depth + 1)
-                    matched = True
-            if not matched and plan.additional is not None:
-                new = self._coerce(new, plan.additional, depth + 1)
-            if new is not child:
-                if result is value:
-                    result = dict(value)
-                result[key] = new
-        if self._inject_defaults:
-            for key, default in plan.defaults:
-                if key not in result:
-                    if result is value:
-                        result = dict(value)
-                    result[key] = copy.deepcopy(default)
-        return result
+                opened.add(key)
+                # A node inside itself (opened, not yet built) is reached lazily (_fix_of).
+                stack.extend(
+                    child
+                    for child in _children(node)
+                    if isinstance(child, dict) and id(child) not in opened
+                )
+        return self._fix_of(top)
 
-    def _repair_scalar(self, value: Any, plan: _Plan, depth: int) -> Any:
-        """``_coerce`` for a scalar where only ``type`` matters, without its generic steps."""
-        types = plan.types
-        if types is None or type(value) in plan.python_types:
-            return value
-        if type(value) is str:  # the common repair: the plan's string rules, in order
-            text = value.strip()
-            for rule in plan.text_rules:
-                candidate = rule(text)
-                if candidate is not _FAIL:
-                    return candidate
-            if "object" not in types and "array" not in types:
-                return value
-        elif _type_allowed(value, types):
-            return value
-        value = self._convert_here(value, plan, depth)
-        if isinstance(value, dict):
-            return self._descend_object(value, plan, depth)
-        if isinstance(value, list):
-            return self._descend_array(value, plan, depth)
-        return value
+    def _fix_of(self, node: Any) -> Fix:
+        if not isinstance(node, dict):
+            return keep
+        entry = self._compiled.get(id(node))
+        return entry[1] if entry is not None else self._lazy(node)
 
-    def _descend_array(self, value: list[Any], plan: _Plan, depth: int) -> Any:
-        prefix, rest = plan.prefix, plan.rest
-        if not prefix and not isinstance(rest, dict):
-            return value
-        result = value
-        for index, child in enumerate(value):
-            schema = prefix[index] if index < len(prefix) else rest
-            if not isinstance(schema, dict):
-                continue
-            new = self._coerce(child, schema, depth + 1)
-            if new is not child:
-                if result is value:
-                    result = list(value)
-                result[index] = new
-        return result
+    def _lazy(self, node: dict[str, Any]) -> Fix:
+        """``node``'s function, compiled on its first call (``$ref`` targets: recursion)."""
+        done: list[Fix] = []
 
-    # -- plans -------------------------------------------------------------------------
+        def fix(value: Any, depth: int, check: bool) -> Any:
+            if not done:
+                done.append(self._compile(node))
+            return done[0](value, depth, check)
 
-    def _plan(self, node: dict[str, Any]) -> _Plan:
+        return fix
+
+    def _build(self, node: dict[str, Any]) -> Fix:
+        """One node's function; its children (but not its ``$ref`` target) are compiled already."""
+        if node.keys() <= TYPE_ONLY_KEYS:  # a leaf, the most common node: only ``type`` matters
+            types = _declared_types(node)
+            convert = self._types_step(types) if types is not None else None
+            return keep if types is None or convert is None else type_fix(types, convert)
+        ref = node.get("$ref")
+        target = self._lookup(ref) if isinstance(ref, str) else None
+        via_ref: Fix | None = None
+        if isinstance(target, dict):
+            via_ref = self._fix_of(target)
+            if node.keys() <= _BARE_REF_KEYS:
+                return via_ref
+            if via_ref is keep:
+                via_ref = None
+        types = _declared_types(node)
         members: list[Any] | None = None
         if "const" in node:
             members = [node["const"]]
         elif isinstance(node.get("enum"), list):
             members = node["enum"]
-        declared = node.get("type")
-        types = [declared] if isinstance(declared, str) else declared
+        if members is not None:
+            convert = self._members_step(members)
+        else:
+            convert = self._types_step(types) if types is not None else None
+        unions = tuple(
+            step
+            for step in (self._union_step(node.get("anyOf")), self._union_step(node.get("oneOf")))
+            if step is not None
+        )
+        all_of = node.get("allOf")
+        every = tuple(
+            fix
+            for fix in map(self._fix_of, all_of if isinstance(all_of, list) else ())
+            if fix is not keep
+        )
+        objects, plain = self._object_step(node)
+        arrays = self._array_step(node)
+        nothing_else = via_ref is None and not every and not unions
+        if nothing_else and objects is None and arrays is None and convert is None:
+            return keep
+        accepts = self._acceptor(node)
+        generic = self._generic(accepts, via_ref, convert, unions, every, objects, arrays)
+        # The common shapes get a function that short-cuts ``generic`` for the values they
+        # see most, giving the same result; every other value still goes through ``generic``.
+        if via_ref is not None or every:
+            return generic
+        if unions:
+            if len(unions) == 1 and convert is None and objects is None and arrays is None:
+                return union_fix(accepts, unions[0])
+            return generic
+        if objects is None and arrays is None:
+            if members is None and types is not None and convert is not None and ref is None:
+                # Then ``generic`` is ``convert``: a container the node accepts is of an
+                # allowed type, which ``convert`` keeps as it is.
+                return type_fix(types, convert)
+            return generic
+        for kind, name, descend in ((dict, "object", objects), (list, "array", arrays)):
+            # An enum or const never converts a container, and neither does a type that allows it.
+            if descend is not None and (members is not None or types is None or name in types):
+                alone = members is None and types == frozenset((name,))
+                parse = self._parse if alone else None
+                if plain is not None and kind is dict:
+                    return object_fix(node, plain, parse, generic, self._is_valid, self._check)
+                return container_fix(node, kind, descend, parse, generic, self._is_valid)
+        return generic
+
+    def _generic(
+        self,
+        accepts: Accepts,
+        via_ref: Fix | None,
+        convert: Step | None,
+        unions: tuple[Step, ...],
+        every: tuple[Fix, ...],
+        objects: Step | None,
+        arrays: Step | None,
+    ) -> Fix:
+        """Every step a node may take, in order: ref, own type/enum, unions, allOf, children."""
+        check_children = self._check
+
+        def fix(value: Any, depth: int, check: bool) -> Any:
+            if check and isinstance(value, _CONTAINERS) and accepts(value):
+                return value
+            if via_ref is not None:
+                value = via_ref(value, depth, check_children)
+            if convert is not None:
+                value = convert(value, depth)
+            for choose in unions:
+                value = choose(value, depth)
+            for branch in every:
+                value = branch(value, depth, check_children)
+            if isinstance(value, dict):
+                return value if objects is None else objects(value, depth)
+            if isinstance(value, list) and arrays is not None:
+                return arrays(value, depth)
+            return value
+
+        return fix
+
+    def _acceptor(self, node: Any) -> Accepts:
+        """``is_valid(node, value)``, answered without the validator where ``type`` decides."""
+        is_valid = self._is_valid
+        if isinstance(node, bool):
+            return _always if node else _never
+        types = _declared_types(node) if isinstance(node, dict) else None
+        if not types or not types <= _KNOWN_TYPES or "$ref" in node:  # draft 7: $ref hides type
+            return lambda value: is_valid(node, value)
+        allowed, refused, _, _ = type_plan(types)
+        if node.keys() <= TYPE_ONLY_KEYS:
+
+            def accepts_type(value: Any) -> bool:
+                kind = type(value)
+                if kind in allowed:
+                    return True
+                return kind not in refused and is_valid(node, value)
+
+            return accepts_type
+
+        def accepts(value: Any) -> bool:
+            return type(value) not in refused and is_valid(node, value)
+
+        return accepts
+
+    # -- a node's own value: type, enum, const -----------------------------------------
+
+    def _types_step(self, types: frozenset[str]) -> Step | None:
+        allowed, refused, rules, openers = type_plan(types)
+        wrap = "array" in types
+        if not rules and not openers:
+            return None  # nothing converts to a string: such a node only descends
+        parse = self._parse
+
+        def convert(value: Any, depth: int) -> Any:
+            kind = type(value)
+            if kind in allowed or (kind not in refused and type_allowed(value, types)):
+                return value
+            if isinstance(value, str):
+                text = value.strip()
+                for rule in rules:
+                    candidate = rule(text)
+                    if candidate is not FAIL:
+                        return candidate
+                for opener, wanted in openers:
+                    candidate = parse(text, opener, wanted, depth)
+                    if candidate is not FAIL:
+                        return candidate
+            if wrap and not isinstance(value, list):
+                return [value]
+            return value
+
+        return convert
+
+    def _members_step(self, members: list[Any]) -> Step | None:
+        kinds = tuple(
+            kind
+            for kind in dict.fromkeys(json_type_name(member) for member in members)
+            if kind in CONVERSION_ORDER
+        )
+        if not kinds:
+            return None  # only strings (or nothing a string converts to) are allowed
+        convert_to = self._convert_to
+
+        def convert(value: Any, depth: int) -> Any:
+            if any(json_equal(value, member) for member in members):
+                return value
+            for kind in kinds:
+                candidate = convert_to(value, kind, depth)
+                if candidate is not FAIL and any(json_equal(candidate, m) for m in members):
+                    return candidate
+            return value
+
+        return convert
+
+    def _convert_to(self, value: Any, kind: str, depth: int) -> Any:
+        """``value`` (a string, for every rule) as a ``kind``, or ``FAIL``."""
+        if not isinstance(value, str):
+            return FAIL
+        text = value.strip()
+        rule = TEXT_RULES.get(kind)
+        if rule is not None:
+            return rule(text)
+        for name, opener, wanted in _OPENERS:
+            if name == kind:
+                return self._parse(text, opener, wanted, depth)
+        return FAIL
+
+    def _parse(self, text: str, opener: str, wanted: type, depth: int) -> Any:
+        """A JSON-encoded object or array at ``depth``, within the depth bound, or ``FAIL``.
+
+        orjson reads it and one walk checks the depth bound and looks for a
+        float that may be an integer orjson could not hold exactly; that text,
+        and text orjson refuses, is read again by :func:`load_json_value`.
+        """
+        if not text.startswith(opener):
+            return FAIL
+        try:
+            parsed = orjson.loads(text)
+        except ValueError:
+            parsed = _NOT_READ
+        else:
+            verdict = _scan(parsed, depth, self._max_depth)
+            if verdict is _TOO_DEEP:
+                return FAIL
+            if verdict is _BIG_FLOAT:
+                parsed = _NOT_READ
+        if parsed is _NOT_READ:
+            try:
+                parsed = load_json_value(text)
+                check_depth(parsed, self._max_depth, start=depth)
+            except ValueError:
+                return FAIL
+        return parsed if isinstance(parsed, wanted) else FAIL
+
+    # -- unions ------------------------------------------------------------------------
+
+    def _union_step(self, branches: Any) -> Step | None:
+        """A value some branch accepts is kept; else the first branch its repair satisfies."""
+        if not isinstance(branches, list) or not branches:
+            return None
+        acceptors = tuple(self._acceptor(branch) for branch in branches)
+        repairs = tuple(
+            (fix, accepts)
+            for fix, accepts in zip(map(self._fix_of, branches), acceptors, strict=True)
+            if fix is not keep
+        )
+        if not repairs:
+            return None
+
+        def choose(value: Any, depth: int) -> Any:
+            for accepts in acceptors:
+                if accepts(value):
+                    return value
+            for fix, accepts in repairs:
+                # No branch accepts the value, so none needs to check it again.
+                candidate = fix(value, depth, False)
+                if candidate is not value and accepts(candidate):
+                    return candidate
+            return value
+
+        return choose
+
+    # -- children ----------------------------------------------------------------------
+
+    def _object_step(self, node: dict[str, Any]) -> tuple[Step | None, dict[str, Fix] | None]:
+        """How an object's children are repaired, and the child table if only ``properties``
+        matters (then the node's own function runs the loop itself: one call less per object)."""
+        if not _OBJECT_KEYWORDS & node.keys():
+            return None, None
+        properties = node.get("properties")
+        properties = properties if isinstance(properties, dict) else {}
+        fixes = {
+            key: self._fix_of(schema) for key, schema in properties.items() if schema is not None
+        }
+        active = {key: fix for key, fix in fixes.items() if fix is not keep}
+        patterns = node.get("patternProperties")
+        additional = node.get("additionalProperties")
+        extra = self._fix_of(additional) if isinstance(additional, dict) else keep
+        by_pattern = [
+            (pattern, self._fix_of(schema))
+            for pattern, schema in (
+                compile_patterns(patterns) if isinstance(patterns, dict) else ()
+            )
+        ]
+        if extra is keep:  # then which keys a pattern matches does not matter, only its repair
+            by_pattern = [(pattern, fix) for pattern, fix in by_pattern if fix is not keep]
+        defaults: tuple[tuple[str, Any], ...] = ()
+        if self._inject_defaults:
+            defaults = tuple(
+                (key, schema["default"])
+                for key, schema in properties.items()
+                if isinstance(schema, dict) and "default" in schema
+            )
+        if not by_pattern and extra is keep and not defaults:
+            return (properties_descend(active, self._check), active) if active else (None, None)
+        return object_descend(fixes, by_pattern, extra, defaults, self._check), None
+
+    def _array_step(self, node: dict[str, Any]) -> Step | None:
+        if "items" not in node and "prefixItems" not in node:
+            return None
         items = node.get("items")
         prefix = node.get("prefixItems")
         if isinstance(items, list):  # draft 7 and earlier: positional items
             prefix, rest = items, node.get("additionalItems")
         else:
             rest = items
-        properties = node.get("properties")
-        properties = properties if isinstance(properties, dict) else {}
-        patterns = node.get("patternProperties")
-        additional = node.get("additionalProperties")
-        ref = node.get("$ref")
-        plan = _Plan(
-            ref=self._lookup(ref) if isinstance(ref, str) else None,
-            members=members,
-            member_kinds=tuple(dict.fromkeys(json_type_name(m) for m in members or ())),
-            types=frozenset(t for t in types if isinstance(t, str))
-            if isinstance(types, list)
-            else None,
-            unions=tuple(
-                branches
-                for branches in (node.get("anyOf"), node.get("oneOf"))
-                if isinstance(branches, list) and branches
-            ),
-            all_of=node["allOf"] if isinstance(node.get("allOf"), list) else [],
-            properties=properties,
-            patterns=_compile_patterns(patterns) if isinstance(patterns, dict) else (),
-            additional=additional if isinstance(additional, dict) else None,
-            prefix=prefix if isinstance(prefix, list) else [],
-            rest=rest,
-            defaults=tuple(
-                (key, schema["default"])
-                for key, schema in properties.items()
-                if isinstance(schema, dict) and "default" in schema
-            ),
-            only_types=False,
-            python_types=frozenset(
-                python
-                for name in (types if isinstance(types, list) else ())
-                for python in _PYTHON_TYPES.get(name, ())
-            ),
-            text_rules=tuple(
-                rule for kind, rule in _TEXT_RULES if isinstance(types, list) and kind in types
-            ),
-            type_is_all=isinstance(types, list) and node.keys() <= _TYPE_ONLY_KEYS,
-        )
-        plan.only_types = (
-            plan.ref is None and members is None and not plan.unions and not plan.all_of
-        )
-        self._plans[id(node)] = (node, plan)  # holding node keeps its id from being reused
-        return plan
+        by_index = [self._fix_of(schema) for schema in prefix] if isinstance(prefix, list) else []
+        others = self._fix_of(rest) if isinstance(rest, dict) else keep
+        if others is keep and all(fix is keep for fix in by_index):
+            return None
+        check = self._check
+        if not by_index:
+
+            def each_item(value: list[Any], depth: int) -> Any:
+                result = value
+                depth += 1
+                for index, child in enumerate(value):
+                    new = others(child, depth, check)
+                    if new is not child:
+                        if result is value:
+                            result = list(value)
+                        result[index] = new
+                return result
+
+            return each_item
+        count = len(by_index)
+
+        def by_position(value: list[Any], depth: int) -> Any:
+            result = value
+            depth += 1
+            for index, child in enumerate(value):
+                new = (by_index[index] if index < count else others)(child, depth, check)
+                if new is not child:
+                    if result is value:
+                        result = list(value)
+                    result[index] = new
+            return result
+
+        return by_position
 
     def _lookup(self, ref: str) -> Any:
         """A ``#/...`` pointer into the resolved root (retained recursive defs); else ``None``."""
@@ -338,81 +477,66 @@ class Coercer:
         return target
 
 
-def _compile_patterns(patterns: dict[str, Any]) -> tuple[tuple[re.Pattern[str], Any], ...]:
-    compiled = []
-    for pattern, schema in patterns.items():
-        try:
-            compiled.append((re.compile(pattern), schema))
-        except re.error:  # an ECMA-only construct: repair skips it, validation still applies it
-            continue
-    return tuple(compiled)
+_NOT_READ: Final = object()
+_TOO_DEEP: Final = "too deep"
+_BIG_FLOAT: Final = "big float"
 
 
-def _type_allowed(value: Any, types: frozenset[Any]) -> bool:
-    kind = json_type_name(value)
-    if kind in types:
-        return True
-    if kind == "integer":
-        return "number" in types
-    return kind == "number" and "integer" in types and float(value).is_integer()
+def _scan(value: Any, depth: int, max_depth: int) -> str | None:
+    """Why ``value`` as orjson read it (placed at ``depth``) cannot be kept, or ``None``.
+
+    Iterative, as :func:`check_depth` and :func:`has_big_float` are, in one walk.
+    """
+    if type(value) is not dict and type(value) is not list:
+        return _BIG_FLOAT if type(value) is float and abs(value) >= BIG_FLOAT else None
+    if depth > max_depth:
+        return _TOO_DEEP
+    stack = [(value, depth)]
+    while stack:
+        node, level = stack.pop()
+        for child in node.values() if type(node) is dict else node:
+            kind = type(child)
+            if kind is dict or kind is list:
+                if level >= max_depth:
+                    return _TOO_DEEP
+                stack.append((child, level + 1))
+            elif kind is float and abs(child) >= BIG_FLOAT:
+                return _BIG_FLOAT
+    return None
 
 
-def _to_integer(text: str) -> Any:
-    if len(text) > _MAX_NUMBER_TEXT or not _NUMBER.fullmatch(text):
-        return _FAIL
-    if "." not in text and "e" not in text and "E" not in text:
-        try:
-            return int(text)
-        except ValueError:  # beyond int's digit limit
-            return _FAIL
-    try:
-        exact = decimal.Decimal(text)
-    except decimal.InvalidOperation:
-        return _FAIL
-    if abs(exact.adjusted()) > _MAX_NUMBER_TEXT or exact != exact.to_integral_value():
-        return _FAIL
-    return int(exact)
+def _always(value: Any) -> bool:
+    return True
 
 
-def _to_number(text: str) -> Any:
-    if len(text) > _MAX_NUMBER_TEXT or not _NUMBER.fullmatch(text):
-        return _FAIL
-    if "." not in text and "e" not in text and "E" not in text:
-        return _to_integer(text)
-    number = float(text)
-    return number if math.isfinite(number) else _FAIL
+def _never(value: Any) -> bool:
+    return False
 
 
-def _to_boolean(text: str) -> Any:
-    return _BOOLEANS.get(text, _FAIL)
+def _declared_types(node: dict[str, Any]) -> frozenset[str] | None:
+    declared = node.get("type")
+    if isinstance(declared, str):
+        return frozenset((declared,))
+    if isinstance(declared, list):
+        return frozenset(name for name in declared if isinstance(name, str))
+    return None
 
 
-def _to_null(text: str) -> Any:
-    return None if text == "null" else _FAIL
-
-
-#: The string-to-scalar rules, in :data:`_CONVERSION_ORDER` (containers are handled apart).
-_TEXT_RULES: Final = (
-    ("integer", _to_integer),
-    ("number", _to_number),
-    ("boolean", _to_boolean),
-    ("null", _to_null),
-)
-_RULES_BY_KIND: Final = dict(_TEXT_RULES)
-#: Keys of a node whose only assertion is ``type`` (the rest are annotations).
-_TYPE_ONLY_KEYS: Final = frozenset(
-    ("type", "title", "description", "default", "examples", "$comment", "deprecated")
-)
-
-
-def _json_equal(a: Any, b: Any) -> bool:
-    """Equality as JSON Schema means it: ``1 == 1.0`` but ``true != 1``."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
+def _children(node: dict[str, Any]) -> Iterator[Any]:
+    """The subschemas repair applies (``$ref`` targets are compiled lazily, apart)."""
+    if node.keys() <= TYPE_ONLY_KEYS:
+        return
+    for key in ("properties", "patternProperties"):
+        group = node.get(key)
+        if isinstance(group, dict):
+            yield from group.values()
+    for key in ("additionalProperties", "items", "additionalItems"):
+        child = node.get(key)
+        if isinstance(child, list):
+            yield from child
+        else:
+            yield child
+    for key in ("prefixItems", "anyOf", "oneOf", "allOf"):
+        group = node.get(key)
+        if isinstance(group, list):
+            yield from group

@@ -1,0 +1,232 @@
+"""The shapes of compiled repair functions: one per common kind of schema node.
+
+Pure: no I/O. ``coerce.py`` compiles each schema node into a :data:`Fix`;
+for the common shapes it picks a function from here that short-cuts the
+generic path for the values those nodes see most (an ``integer`` node given a
+numeric string, an object node given an object) and hands every other value
+to the generic path, so the result is always the same. These run on every
+repair: closure variables, no attribute lookups, no work a node does not need.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any, Final
+
+from agent_backend.schema.coerce_rules import (
+    FAIL,
+    MAX_NUMBER_TEXT,
+    TEXT_RULES,
+    type_plan,
+)
+
+__all__ = [
+    "Accepts",
+    "Fix",
+    "IsValid",
+    "Step",
+    "container_fix",
+    "keep",
+    "object_descend",
+    "object_fix",
+    "properties_descend",
+    "type_fix",
+    "union_fix",
+]
+
+IsValid = Callable[[Any, Any], bool]
+Fix = Callable[[Any, int, bool], Any]
+"""A compiled node: ``fix(value, depth, check)`` is ``value`` repaired (the same object if
+nothing changed); ``check`` first keeps a container that the node already accepts."""
+Step = Callable[[Any, int], Any]
+"""One part of a node's repair: ``step(value, depth)``."""
+Accepts = Callable[[Any], bool]
+
+_CONTAINERS: Final = (dict, list)
+Parse = Callable[[str, str, type, int], Any]
+"""``parse(text, opener, wanted, depth)``: JSON text as a ``wanted`` container, or ``FAIL``."""
+
+
+def keep(value: Any, depth: int, check: bool) -> Any:
+    """The compiled form of a node that repairs nothing; parents leave such children out."""
+    return value
+
+
+def type_fix(types: frozenset[str], convert: Step) -> Fix:
+    """A node whose only repair is its own ``type`` (``convert``): no children, no unions."""
+    allowed, _, rules, _ = type_plan(types)
+    if "object" in types or "array" in types:
+        # Nothing inside to repair: a container of an allowed type is kept, valid or not.
+
+        def fix_typed(value: Any, depth: int, check: bool) -> Any:
+            return value if type(value) in allowed else convert(value, depth)
+
+        return fix_typed
+    if len(rules) == 1:
+        (rule,) = rules
+        numeric = rule is TEXT_RULES["integer"] or rule is TEXT_RULES["number"]
+
+        def fix_one(value: Any, depth: int, check: bool) -> Any:
+            kind = type(value)
+            if kind in allowed:
+                return value
+            if kind is str:
+                text = value.strip()
+                if numeric and text.isdecimal() and len(text) <= MAX_NUMBER_TEXT:
+                    return int(text)  # the numeric rules' first case, without the call
+                new = rule(text)
+                return value if new is FAIL else new
+            return convert(value, depth)
+
+        return fix_one
+
+    def fix_scalar(value: Any, depth: int, check: bool) -> Any:
+        kind = type(value)
+        if kind in allowed:
+            return value
+        if kind is str:
+            text = value.strip()
+            for rule in rules:
+                new = rule(text)
+                if new is not FAIL:
+                    return new
+            return value
+        return convert(value, depth)
+
+    return fix_scalar
+
+
+def union_fix(accepts: Accepts, choose: Step) -> Fix:
+    """A node whose only repairing keyword is one ``anyOf`` or ``oneOf``."""
+
+    def fix(value: Any, depth: int, check: bool) -> Any:
+        if check and isinstance(value, _CONTAINERS) and accepts(value):
+            return value
+        return choose(value, depth)
+
+    return fix
+
+
+def container_fix(
+    node: dict[str, Any],
+    kind: type,
+    descend: Step,
+    parse: Parse | None,
+    generic: Fix,
+    is_valid: IsValid,
+) -> Fix:
+    """An object (array) node given an object (array): keep it if valid, else descend.
+
+    With ``parse`` (``type`` is that container alone), a string is read as JSON
+    text here; text that is not becomes nothing (object) or is wrapped (array),
+    as the generic path would.
+    """
+    opener = "{" if kind is dict else "["
+
+    def fix(value: Any, depth: int, check: bool) -> Any:
+        given = type(value)
+        if given is kind:
+            if check and is_valid(node, value):
+                return value
+            return descend(value, depth)
+        if given is str and parse is not None:
+            parsed = parse(value.strip(), opener, kind, depth)
+            if parsed is not FAIL:
+                return descend(parsed, depth)
+            return value if kind is dict else descend([value], depth)
+        return generic(value, depth, check)
+
+    return fix
+
+
+def object_fix(
+    node: dict[str, Any],
+    fixes: dict[str, Fix],
+    parse: Parse | None,
+    generic: Fix,
+    is_valid: IsValid,
+    check_children: bool,
+) -> Fix:
+    """:func:`container_fix` for an object node whose only repairing keyword is ``properties``,
+    with :func:`properties_descend` inlined (the most common node of all)."""
+
+    def fix(value: Any, depth: int, check: bool) -> Any:
+        if type(value) is not dict:
+            if type(value) is not str or parse is None:
+                return generic(value, depth, check)
+            parsed = parse(value.strip(), "{", dict, depth)
+            if parsed is FAIL:
+                return value  # as the generic path: no other conversion, nothing to descend
+            value = parsed
+        elif check and is_valid(node, value):
+            return value
+        result = value
+        depth += 1
+        for key, child in value.items():
+            child_fix = fixes.get(key)
+            if child_fix is not None:
+                new = child_fix(child, depth, check_children)
+                if new is not child:
+                    if result is value:
+                        result = dict(value)
+                    result[key] = new
+        return result
+
+    return fix
+
+
+def properties_descend(fixes: dict[str, Fix], check: bool) -> Step:
+    """Children of an object whose only repairing keyword is ``properties``."""
+
+    def descend(value: dict[str, Any], depth: int) -> Any:
+        result = value
+        depth += 1
+        for key, child in value.items():
+            fix = fixes.get(key)
+            if fix is not None:
+                new = fix(child, depth, check)
+                if new is not child:
+                    if result is value:
+                        result = dict(value)
+                    result[key] = new
+        return result
+
+    return descend
+
+
+def object_descend(
+    fixes: dict[str, Fix],
+    by_pattern: list[tuple[Any, Fix]],
+    extra: Fix,
+    defaults: tuple[tuple[str, Any], ...],
+    check: bool,
+) -> Step:
+    """Children of an object through ``properties``, ``patternProperties`` and
+    ``additionalProperties``; then defaults, when injecting them."""
+
+    def descend(value: dict[str, Any], depth: int) -> Any:
+        result = value
+        depth += 1
+        for key, child in value.items():
+            fix = fixes.get(key)
+            matched = fix is not None
+            new = child if fix is None else fix(child, depth, check)
+            for pattern, pattern_fix in by_pattern:
+                if pattern.search(key):
+                    new = pattern_fix(new, depth, check)
+                    matched = True
+            if not matched:
+                new = extra(new, depth, check)
+            if new is not child:
+                if result is value:
+                    result = dict(value)
+                result[key] = new
+        for key, default in defaults:
+            if key not in result:
+                if result is value:
+                    result = dict(value)
+                result[key] = copy.deepcopy(default)
+        return result
+
+    return descend

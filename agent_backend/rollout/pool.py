@@ -4,8 +4,9 @@ For every prompt it claims from the :class:`~agent_backend.rollout.ledger.Resume
 the pool samples a group of ``n`` episodes (:func:`~agent_backend.rollout.episode.run_episode`),
 at most ``concurrency`` episodes at a time over all groups, and delivers the
 group either to a writer (:meth:`RolloutPool.run`: JSONL or Parquet on disk,
-what ``agent-backend rollout`` does) or to a trainer in the same process
-(:meth:`RolloutPool.stream`: an async iterator of batches).
+what ``agent-backend rollout`` does) or to a trainer (:meth:`RolloutPool.stream`:
+an async iterator of batches; with Ray workers, optionally batches of Ray
+``ObjectRef`` for a trainer running in Ray actors).
 
 The bookkeeping follows the order that makes a crash harmless at any instant
 (PITFALLS 19, 20): a prompt is claimed (in flight), its group sampled, then
@@ -34,8 +35,13 @@ by error or cancellation) cancels the episodes still running, whose
 sessions are closed on the way out.
 
 The ledger is used from the event loop only; file I/O (writer, checkpoint)
-runs in worker threads. This module must never mark a prompt trained before
-its group was taken durably, nor count a dropped group as trained.
+runs in worker threads. The pool's bookkeeping reads only an
+:class:`EpisodeSummary` of each episode, so that records kept in Ray's object
+store (``stream(..., as_refs=True)``) are never fetched into this process.
+Scale-out on Ray lives in :mod:`agent_backend.rollout.ray_workers`, imported
+on first use: importing this module never imports Ray. This module must
+never mark a prompt trained before its group was taken durably, nor count a
+dropped group as trained.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Self, TypeVar, overload
 
 import anyio
 import anyio.abc
@@ -57,7 +63,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from agent_backend.dispatch import Dispatcher
-from agent_backend.errors import NonFiniteLogprobs, RolloutError, clip
+from agent_backend.errors import RolloutError
 from agent_backend.rollout.episode import (
     EpisodeConfig,
     EpisodeIds,
@@ -72,15 +78,33 @@ from agent_backend.rollout.trajectory import Trajectory
 from agent_backend.rollout.writers import TrajectoryWriter
 from agent_backend.tools import ToolRegistry
 
+if TYPE_CHECKING:
+    from ray import ObjectRef
+
+    from agent_backend.rollout.ray_workers import RayRolloutWorkers, RolloutWorker
+
 __all__ = [
     "FAILED_STOP_REASONS",
     "WRITER_POSITION",
+    "EpisodeSummary",
     "RayRolloutWorkers",
     "RolloutPool",
     "RolloutStatistics",
     "RolloutStream",
     "RolloutWorker",
 ]
+
+# Defined in agent_backend.rollout.ray_workers (which imports Ray), re-exported here on first use.
+_RAY_NAMES: Final = frozenset({"RayRolloutWorkers", "RolloutWorker"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RAY_NAMES:
+        from agent_backend.rollout import ray_workers
+
+        return getattr(ray_workers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: Stop reasons of episodes that failed (the others ended as the policy or a limit decided).
 FAILED_STOP_REASONS: Final[frozenset[str]] = frozenset(
@@ -127,27 +151,69 @@ class RolloutStatistics:
         return self.episodes_done / self.elapsed if self.elapsed > 0 else 0.0
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class EpisodeSummary:
+    """What the pool's bookkeeping reads of a finished episode, without its records.
+
+    Small and free of :class:`Trajectory` objects: with batches by reference,
+    a Ray rollout worker returns it beside the records, which stay in Ray's
+    object store, and the driver reads only this.
+    """
+
+    stop_reason: str
+    error: str | None
+    num_turns: int
+    tool_calls: int
+    tool_failures: int
+    dropped: bool
+    """Dropped for non-finite logprobs (the ``drop`` policy): counted, never delivered."""
+    policy_version_start: int
+    """The oldest ``policy_version_start`` of its records (what staleness is measured from)."""
+    records: int
+    """Its records (segments)."""
+
+    @classmethod
+    def of(cls, records: Sequence[Trajectory]) -> EpisodeSummary:
+        first = records[0]
+        return cls(
+            stop_reason=first.stop_reason,
+            error=first.error,
+            num_turns=first.num_turns,
+            tool_calls=first.tool_calls,
+            tool_failures=first.tool_failures,
+            dropped=bool(first.extras.get("dropped")),
+            policy_version_start=min(t.policy_version_start for t in records),
+            records=len(records),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Episode:
+    summary: EpisodeSummary
+    items: list[Any]
+    """What a consumer gets of it: its records, or (by reference) one ObjectRef to them."""
+
+
 @dataclasses.dataclass(slots=True)
 class _Group:
     index: int
-    trajectories: list[Trajectory]
-    """Every record of every episode (episodes may have several segments)."""
-    episodes: list[list[Trajectory]]
+    episodes: list[_Episode]
     attempts: int
 
     @property
     def oldest_version(self) -> int:
-        return min((t.policy_version_start for t in self.trajectories), default=0)
+        return min((e.summary.policy_version_start for e in self.episodes), default=0)
 
     def all_failed(self) -> bool:
         return bool(self.episodes) and all(
-            e[0].stop_reason in _INFRA_FAILURES and not e[0].extras.get("dropped")
+            e.summary.stop_reason in _INFRA_FAILURES and not e.summary.dropped
             for e in self.episodes
         )
 
-    def deliverable(self) -> list[Trajectory]:
-        """The records to deliver: every episode's but those dropped for non-finite logprobs."""
-        return [t for e in self.episodes if not e[0].extras.get("dropped") for t in e]
+    def deliverable(self) -> list[Any]:
+        """What to deliver: every episode's records (or refs) but those dropped for non-finite
+        logprobs."""
+        return [item for e in self.episodes if not e.summary.dropped for item in e.items]
 
 
 class _Run:
@@ -158,9 +224,12 @@ class _Run:
     ``stream()`` as itself, not wrapped in nested exception groups.
     """
 
-    def __init__(self, prompts: Sequence[Any], ledger: ResumeLedger) -> None:
+    def __init__(
+        self, prompts: Sequence[Any], ledger: ResumeLedger, *, by_reference: bool = False
+    ) -> None:
         self.prompts = prompts
         self.ledger = ledger
+        self.by_reference = by_reference
         self.scope: anyio.CancelScope | None = None
         self.errors: list[Exception] = []
 
@@ -387,8 +456,8 @@ class RolloutPool:
         )
 
     async def _episode(
-        self, prompt: Any, index: int, sample: int, attempt: int
-    ) -> list[Trajectory]:
+        self, run: _Run, prompt: Any, index: int, sample: int, attempt: int
+    ) -> _Episode:
         group_id = f"{self._run_id}-p{index}" + (f"-a{attempt}" if attempt else "")
         ids = EpisodeIds(
             rollout_id=f"{group_id}-s{sample}",
@@ -399,8 +468,14 @@ class RolloutPool:
         async with self._limiter:
             self._running += 1
             try:
-                if self.workers is not None:
+                if self.workers is not None and run.by_reference:
+                    summary, ref = await self.workers.run_episode_by_reference(
+                        prompt, ids, self._version
+                    )
+                    episode = _Episode(summary, [ref])
+                elif self.workers is not None:
                     records = await self.workers.run_episode(prompt, ids, self._version)
+                    episode = _Episode(EpisodeSummary.of(records), records)
                 else:
                     assert self.policy is not None
                     assert self.dispatcher is not None
@@ -414,35 +489,32 @@ class RolloutPool:
                         ids=ids,
                         policy_version=lambda: self._version,
                     )
+                    episode = _Episode(EpisodeSummary.of(records), records)
             finally:
                 self._running -= 1
-        first = records[0]
+        summary = episode.summary
         self._done += 1
-        self._turns += first.num_turns
-        self._tool_calls += first.tool_calls
-        self._tool_failures += first.tool_failures
-        self._stop_reasons[first.stop_reason] += 1
-        if first.stop_reason in FAILED_STOP_REASONS:
+        self._turns += summary.num_turns
+        self._tool_calls += summary.tool_calls
+        self._tool_failures += summary.tool_failures
+        self._stop_reasons[summary.stop_reason] += 1
+        if summary.stop_reason in FAILED_STOP_REASONS:
             self._failed += 1
-        if first.extras.get("dropped"):
+        if summary.dropped:
             self._rollouts_dropped += 1
-        return records
+        return episode
 
     async def _sample_group(self, run: _Run, prompt: Any, index: int, attempt: int) -> _Group:
-        episodes: list[list[Trajectory]] = [[] for _ in range(self.n)]
+        episodes: list[_Episode | None] = [None] * self.n
 
         async def one(sample: int) -> None:
-            episodes[sample] = await self._episode(prompt, index, sample, attempt)
+            episodes[sample] = await self._episode(run, prompt, index, sample, attempt)
 
         async with anyio.create_task_group() as group:
             for sample in range(self.n):
                 group.start_soon(run.guard, one, sample)
-        return _Group(
-            index=index,
-            trajectories=[t for e in episodes for t in e],
-            episodes=episodes,
-            attempts=attempt + 1,
-        )
+        # A sample missing here failed its task, which cancelled the run: the group is not sent.
+        return _Group(index, [e for e in episodes if e is not None], attempts=attempt + 1)
 
     async def _run_group(
         self,
@@ -576,7 +648,7 @@ class RolloutPool:
         deferred.append(group.index)
         failed_in_a_row += 1
         if self.max_failed_groups is not None and failed_in_a_row >= self.max_failed_groups:
-            first = group.episodes[0][0]
+            first = group.episodes[0].summary
             raise RolloutError(
                 f"{failed_in_a_row} groups in a row failed in every episode (each tried "
                 f"{group.attempts} times); the last error: {first.stop_reason}: {first.error}"
@@ -590,17 +662,37 @@ class RolloutPool:
             ledger.release(index)
         deferred.clear()
 
-    # -- delivery to a trainer in this process ----------------------------------------------------
+    # -- delivery to a trainer ------------------------------------------------------------------
 
-    @contextlib.asynccontextmanager
-    async def stream(
+    @overload
+    def stream(
         self,
         prompts: Sequence[Any],
         *,
         ledger: ResumeLedger | None = None,
         groups_per_batch: int = 1,
-    ) -> AsyncIterator[RolloutStream]:
-        """Batches of whole groups for a trainer in this process.
+        as_refs: Literal[False] = False,
+    ) -> contextlib.AbstractAsyncContextManager[RolloutStream[Trajectory]]: ...
+
+    @overload
+    def stream(
+        self,
+        prompts: Sequence[Any],
+        *,
+        ledger: ResumeLedger | None = None,
+        groups_per_batch: int = 1,
+        as_refs: Literal[True],
+    ) -> contextlib.AbstractAsyncContextManager[RolloutStream[ObjectRef[list[Trajectory]]]]: ...
+
+    def stream(
+        self,
+        prompts: Sequence[Any],
+        *,
+        ledger: ResumeLedger | None = None,
+        groups_per_batch: int = 1,
+        as_refs: bool = False,
+    ) -> contextlib.AbstractAsyncContextManager[RolloutStream[Any]]:
+        """Batches of whole groups for a trainer.
 
         ::
 
@@ -616,14 +708,35 @@ class RolloutPool:
         redone after a resume). Staleness is checked when a group is put in a
         batch. The pool never checkpoints the ledger here: the trainer does,
         together with its weights, so that the two never disagree.
+
+        ``as_refs=True`` (Ray workers only) makes each batch a list of Ray
+        ``ObjectRef``, one per episode, each resolving to that episode's
+        ``list[Trajectory]``: the records stay in Ray's object store, owned
+        by this process, and are never fetched here; hand the refs to a
+        trainer's Ray actor, which fetches them (``ray.get``). The bookkeeping is the
+        same as for batches of records.
         """
+        return self._stream(prompts, ledger, groups_per_batch, as_refs)
+
+    @contextlib.asynccontextmanager
+    async def _stream(
+        self,
+        prompts: Sequence[Any],
+        ledger: ResumeLedger | None,
+        groups_per_batch: int,
+        as_refs: bool,
+    ) -> AsyncIterator[RolloutStream[Any]]:
         if groups_per_batch < 1:
             raise ValueError("groups_per_batch must be at least 1")
+        if as_refs and self.workers is None:
+            raise ValueError(
+                "batches by reference (as_refs=True) need Ray workers: RolloutPool(workers=...)"
+            )
         self._check_prompts(prompts)
         if ledger is None:
             ledger = ResumeLedger(Path("<memory>"), num_prompts=len(prompts))
         self._begin(prompts, ledger)
-        run = _Run(prompts, ledger)
+        run = _Run(prompts, ledger, by_reference=as_refs)
         # The trainer's own error, raised as itself after the task group (which would wrap it).
         trainer_error: BaseException | None = None
         try:
@@ -633,7 +746,7 @@ class RolloutPool:
             async with receive, anyio.create_task_group() as tasks:
                 run.scope = tasks.cancel_scope
                 tasks.start_soon(run.guard, self._produce, run, send, name="rollout producer")
-                stream = RolloutStream(self, receive, ledger, groups_per_batch)
+                stream: RolloutStream[Any] = RolloutStream(self, receive, ledger, groups_per_batch)
                 try:
                     yield stream
                 except BaseException as exc:
@@ -649,8 +762,15 @@ class RolloutPool:
             raise trainer_error
 
 
-class RolloutStream:
-    """The async iterator of :meth:`RolloutPool.stream`: ``list[Trajectory]`` batches of whole groups."""
+_Item = TypeVar("_Item")
+
+
+class RolloutStream(Generic[_Item]):
+    """The async iterator of :meth:`RolloutPool.stream`: batches of whole groups.
+
+    A batch is a ``list[Trajectory]``, or with ``as_refs=True`` a list of
+    ``ObjectRef``, one per episode, each resolving to its ``list[Trajectory]``.
+    """
 
     def __init__(
         self,
@@ -667,6 +787,8 @@ class RolloutStream:
         self._failed_in_a_row = 0
         self._deferred: list[int] = []
         self.batches = 0
+        self.last_batch_records = 0
+        """Records (segments) in the last batch: with refs, what its refs resolve to in all."""
 
     def __aiter__(self) -> Self:
         return self
@@ -678,7 +800,7 @@ class RolloutStream:
             self._pool._delivered += len(self._taken)
             self._taken = []
 
-    async def __anext__(self) -> list[Trajectory]:
+    async def __anext__(self) -> list[_Item]:
         self._commit()
         pool = self._pool
         groups: list[_Group] = []
@@ -701,377 +823,7 @@ class RolloutStream:
             raise StopAsyncIteration
         self._taken = [g.index for g in groups]
         self.batches += 1
-        return [t for g in groups for t in g.deliverable()]
-
-
-# -- scale-out: rollout workers as Ray actors ------------------------------------------------------
-
-
-class RolloutWorker:
-    """The code inside one Ray actor: runs episodes with its own policy client and tool pool.
-
-    Public so that Ray can import it by name on any node; use it through
-    :class:`RayRolloutWorkers`. Its policy client, tool pool and dispatcher are
-    opened on the first episode, in one task that holds them for the actor's
-    life (an async context must be left by the task that entered it), and
-    closed by :meth:`close`.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        policy: Mapping[str, Any],
-        tools_dir: str,
-        functions: Sequence[tuple[str, str | None]],
-        tool_pool: Any,
-        episode: EpisodeConfig,
-        reward: RewardFunction | None,
-    ) -> None:
-        self.name = name
-        self._policy_options = dict(policy)
-        self._tools_dir = tools_dir
-        self._functions = list(functions)
-        self._tool_pool = tool_pool
-        self._episode = episode
-        self._reward = reward
-        self._ready: anyio.Event | None = None
-        self._closing = anyio.Event()
-        self._holder: Any = None
-        self._error: BaseException | None = None
-        self._parts: tuple[Policy, Dispatcher, list[dict[str, Any]]] | None = None
-        self._counters = NonFiniteCounters()
-
-    async def describe(self) -> dict[str, Any]:
-        """Who and where this worker is (answers once the actor runs)."""
-        import os
-        import socket
-
-        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
-
-    async def _hold(self) -> None:
-        from agent_backend.pool import load_pool
-        from agent_backend.rollout.policy import OpenAICompatiblePolicy
-
-        assert self._ready is not None
-        try:
-            registry = ToolRegistry.from_dir(self._tools_dir)
-            for path, tool_name in self._functions:
-                registry.add_function(_import_function(path), name=tool_name)
-            async with (
-                load_pool(self._tool_pool) as backend,
-                Dispatcher(registry, backend) as dispatcher,
-                OpenAICompatiblePolicy(**self._policy_options, counters=self._counters) as policy,
-            ):
-                self._parts = (policy, dispatcher, registry.to_openai())
-                self._ready.set()
-                await self._closing.wait()
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self._parts = None
-            self._ready.set()
-
-    async def _open(self) -> tuple[Policy, Dispatcher, list[dict[str, Any]]]:
-        import asyncio
-
-        if self._ready is None:
-            self._ready = anyio.Event()
-            # The actor's own long-lived task (Ray runs every method on this loop); close() ends it.
-            self._holder = asyncio.get_running_loop().create_task(self._hold())
-        await self._ready.wait()
-        if self._parts is None:
-            raise RolloutError(f"rollout worker {self.name} could not start: {self._error!r}")
-        return self._parts
-
-    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
-        """One episode on this worker's node; its records, tagged with the worker's name."""
-        policy, dispatcher, tools = await self._open()
-        records = await run_episode(
-            prompt,
-            policy=policy,
-            dispatcher=dispatcher,
-            tools=tools,
-            reward=self._reward,
-            config=self._episode,
-            ids=ids,
-            policy_version=lambda: version,
+        self.last_batch_records = sum(
+            e.summary.records for g in groups for e in g.episodes if not e.summary.dropped
         )
-        return [r.model_copy(update={"extras": {**r.extras, "worker": self.name}}) for r in records]
-
-    async def non_finite(self) -> NonFiniteStats:
-        return self._counters.snapshot()
-
-    async def close(self) -> None:
-        """Close the policy client, the dispatcher (every session) and the tool pool."""
-        self._closing.set()
-        if self._holder is not None:
-            with contextlib.suppress(BaseException):
-                await self._holder
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class _Worker:
-    name: str
-    handle: Any
-    live: bool = True
-    in_flight: int = 0
-    cause: str | None = None
-
-
-class RayRolloutWorkers:
-    """Rollout workers as Ray actors, for :class:`RolloutPool` (``workers=``): episodes scale out.
-
-    A Ray pool file (``type = "ray"``, ``pools/ray.example.toml``) says where
-    and how many: ``address`` (or a local Ray), ``replicas`` workers, each
-    reserving ``num_cpus``/``num_gpus``/``resources``, with ``runtime_env``,
-    running up to ``max_concurrency`` episodes at once. Every worker has its
-    own policy client (``policy``: the keyword arguments of
-    :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`, URL
-    included) and runs its episodes' tools on ``tool_pool`` (default: its own
-    node, the local pool): the tool files of ``tools_dir`` (default: the
-    built-ins), and the pool file's ``tools``, Python functions imported by
-    each worker and run in it. ``reward`` must pickle.
-
-    A worker that dies is not used again: its episodes in flight end as
-    ``env_error`` records; when none is left, every episode does, and the
-    pool's ``max_failed_groups`` stops the run. A cancelled episode is
-    cancelled on its worker too (``ray.cancel``).
-    """
-
-    def __init__(
-        self,
-        config: Any,
-        *,
-        policy: Mapping[str, Any],
-        tools_dir: str | Path | None = None,
-        tool_pool: Any = None,
-        episode: EpisodeConfig | None = None,
-        reward: RewardFunction | None = None,
-    ) -> None:
-        from agent_backend.backends.ray import RayPoolConfig
-        from agent_backend.pool import DEFAULT_POOL
-
-        if not isinstance(config, RayPoolConfig):
-            raise TypeError(f"a Ray pool config, not {type(config).__name__}")
-        if "url" not in policy:
-            raise ValueError("policy needs the server's url")
-        self.config = config
-        self.episode = episode or EpisodeConfig()
-        self._policy = dict(policy)
-        default_tools = Path(__file__).resolve().parents[2] / "schemas" / "tools"
-        self._tools_dir = str(tools_dir if tools_dir is not None else default_tools)
-        self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
-        self._reward = reward
-        self._workers: list[_Worker] = []
-        self._owns_ray = False
-        self._state: str = "new"
-
-    def __repr__(self) -> str:
-        live = sum(w.live for w in self._workers)
-        busy = sum(w.in_flight for w in self._workers)
-        return f"<RayRolloutWorkers [{live}/{len(self._workers)} live | {busy} episodes] {self._state}>"
-
-    @property
-    def workers(self) -> list[tuple[str, bool, int]]:
-        """``(name, live, episodes in flight)`` of every worker."""
-        return [(w.name, w.live, w.in_flight) for w in self._workers]
-
-    @property
-    def capacity(self) -> int:
-        """Episodes the live workers run at once."""
-        return sum(w.live for w in self._workers) * self.config.max_concurrency
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    def _connect(self) -> bool:
-        import ray
-
-        from agent_backend.backends.ray import _loopback_only
-
-        if ray.is_initialized():
-            return False  # someone else's connection (a trainer's ray.init()): used, kept
-        config = self.config
-        if config.address is not None:
-            ray.init(address=config.address, log_to_driver=config.log_to_driver)
-        else:
-            _loopback_only()
-            local = config.local
-            ray.init(
-                num_cpus=local.num_cpus,
-                num_gpus=local.num_gpus,
-                object_store_memory=local.object_store_memory,
-                resources=local.resources or None,
-                include_dashboard=False,
-                log_to_driver=config.log_to_driver,
-            )
-        return True
-
-    async def start(self) -> None:
-        """Connect to Ray (or start a local one) and start every worker; wait until they run."""
-        import ray
-
-        from agent_backend.errors import BackendUnavailable
-
-        if self._state != "new":
-            raise RolloutError(
-                f"the Ray rollout workers can be started once (they are {self._state})"
-            )
-        self._state = "starting"
-        try:
-            self._owns_ray = await anyio.to_thread.run_sync(self._connect)
-            remote = ray.remote(RolloutWorker)
-            token = secrets.token_hex(3)
-            for index in range(self.config.replicas):
-                name = f"{self.config.name}-rollout-{index}"
-                options: dict[str, Any] = {
-                    "name": f"agent_backend/rollout/{token}/{index}",
-                    "num_cpus": self.config.num_cpus,
-                    "num_gpus": self.config.num_gpus,
-                    "max_concurrency": self.config.max_concurrency + 2,  # + close, describe
-                    "max_restarts": 0,
-                    "max_task_retries": 0,
-                }
-                if self.config.resources:
-                    options["resources"] = dict(self.config.resources)
-                if self.config.runtime_env is not None:
-                    options["runtime_env"] = self.config.runtime_env
-                functions = [(tool.function, tool.name) for tool in self.config.tools]
-                handle = remote.options(**options).remote(
-                    name,
-                    self._policy,
-                    self._tools_dir,
-                    functions,
-                    self._tool_pool,
-                    self.episode,
-                    self._reward,
-                )
-                self._workers.append(_Worker(name, handle))
-            with anyio.fail_after(self.config.start_timeout):
-                for worker in self._workers:
-                    await worker.handle.describe.remote()
-        except (TimeoutError, ray.exceptions.RayError) as exc:
-            await self.aclose()
-            raise BackendUnavailable(
-                f"the Ray rollout workers did not start within {self.config.start_timeout:g} s: "
-                f"{type(exc).__name__}: {clip(str(exc), 300)}",
-                backend="ray",
-            ) from None
-        except BaseException:
-            await self.aclose()
-            raise
-        self._state = "open"
-
-    async def aclose(self) -> None:
-        """Close every worker (sessions, policy clients), kill the actors; idempotent."""
-        import ray
-
-        if self._state == "closed":
-            return
-        self._state = "closed"
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(15):
-                for worker in self._workers:
-                    if worker.live:
-                        with contextlib.suppress(Exception):
-                            await worker.handle.close.remote()
-            for worker in self._workers:
-                worker.live = False
-                with contextlib.suppress(Exception):
-                    ray.kill(worker.handle, no_restart=True)
-            if self._owns_ray:
-                self._owns_ray = False
-                await anyio.to_thread.run_sync(ray.shutdown)
-
-    def _pick(self) -> _Worker | None:
-        live = [w for w in self._workers if w.live]
-        return min(live, key=lambda w: w.in_flight) if live else None
-
-    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
-        """One episode on the least-loaded live worker; a lost worker gives an env_error record."""
-        import ray
-
-        worker = self._pick()
-        if worker is None or self._state != "open":
-            return self._failed(ids, version, "env_error", "no live Ray rollout worker is left")
-        worker.in_flight += 1
-        ref = worker.handle.run_episode.remote(prompt, ids, version)
-        try:
-            records: list[Trajectory] = await ref
-            return records
-        except ray.exceptions.TaskCancelledError:
-            raise
-        except ray.exceptions.RayTaskError as exc:
-            found = getattr(exc, "cause", None)
-            cause = found if isinstance(found, Exception) else exc
-            if isinstance(cause, NonFiniteLogprobs):
-                raise cause from None  # the "fail" policy: the run must stop
-            return self._failed(ids, version, "rollout_error", f"{type(cause).__name__}: {cause}")
-        except ray.exceptions.RayError as exc:
-            worker.live = False
-            worker.cause = f"{type(exc).__name__}: {clip(str(exc), 300)}"
-            return self._failed(
-                ids, version, "env_error", f"rollout worker {worker.name} was lost: {worker.cause}"
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                ray.cancel(ref)  # the episode stops on its worker too; its session closes there
-            raise
-        finally:
-            worker.in_flight -= 1
-
-    def _failed(self, ids: EpisodeIds, version: int, reason: Any, error: str) -> list[Trajectory]:
-        return _failed_record(ids, version, reason, error, self.episode.failure_reward)
-
-    async def non_finite(self) -> NonFiniteStats:
-        """The non-finite logprob counts of every live worker, summed."""
-        totals: Counter[str] = Counter()
-        for worker in self._workers:
-            if worker.live:
-                with contextlib.suppress(Exception):
-                    stats = await worker.handle.non_finite.remote()
-                    totals.update(dataclasses.asdict(stats))
-        return NonFiniteStats(**totals)
-
-
-def _import_function(path: str) -> Callable[..., Any]:
-    """``package.module:function`` (or ``module:Class.method``), imported."""
-    import importlib
-
-    module_name, _, attributes = path.partition(":")
-    target: Any = importlib.import_module(module_name)
-    for attribute in attributes.split("."):
-        target = getattr(target, attribute)
-    if not callable(target):
-        raise TypeError(f"{path} is not a function")
-    return target  # type: ignore[no-any-return]
-
-
-def _failed_record(
-    ids: EpisodeIds, version: int, reason: Any, error: str, reward: float
-) -> list[Trajectory]:
-    """The record of an episode that never ran on its worker (lost, or no worker left)."""
-    from agent_backend.rollout.trajectory import SegmentBuilder
-
-    return SegmentBuilder().build(
-        rollout_id=ids.rollout_id,
-        group_id=ids.group_id,
-        sample_idx=ids.sample_idx,
-        prompt_index=ids.prompt_index,
-        reward=reward,
-        policy_version_start=version,
-        policy_version_end=version,
-        stop_reason=reason,
-        num_turns=0,
-        error=clip(error, 2000),
-    )
+        return [item for g in groups for item in g.deliverable()]

@@ -1,0 +1,765 @@
+"""Rollout workers as Ray actors: a :class:`~agent_backend.rollout.pool.RolloutPool` scaled out.
+
+:class:`RayRolloutWorkers` starts ``replicas`` :class:`RolloutWorker` actors
+(a Ray pool file says where, how many and what each reserves); each runs
+whole episodes with its own policy client and tool pool, and the pool on the
+driver keeps the ledger, the groups and the delivery. An episode goes to the
+least-loaded live worker with a free slot; when none has one it waits on the
+driver, never in a dead actor's queue.
+
+Faults follow the tool-side Ray pool (:mod:`agent_backend.backends.ray`): a
+worker whose actor dies is evicted at once (a sentinel call per actor fails
+the moment it dies, and so does every episode it was running), then
+replaced, at most ``max_restarts`` times per replica. An episode that was
+running on it becomes a failed record (``env_error``, the worker and Ray's
+cause in ``error``), delivered with its group like any failed episode; the
+other episodes go on. With no live worker left and no restart left, the
+next episode raises :class:`~agent_backend.errors.BackendUnavailable` and
+the run stops (its ledger consistent).
+
+By reference (``RolloutPool.stream(..., as_refs=True)``), a worker returns
+two objects per episode: a small
+:class:`~agent_backend.rollout.pool.EpisodeSummary`, which the driver reads,
+and the records, which stay in Ray's object store. They are a task's return
+value, so the driver owns them (not the worker: a worker that dies later
+does not take them along), and Ray frees them once the driver and every
+actor it passed the ``ObjectRef`` to dropped it.
+
+This module must never hand an episode to a worker known to be dead, never
+let a Ray exception reach the caller, and never fetch a by-reference episode
+into the driver. Ray runs on asyncio only.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, Literal, Self
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import ray
+import ray.exceptions
+
+from agent_backend.backends.ray import (
+    _ACTOR_DEATHS,
+    _CONNECTION,
+    RayPoolConfig,
+    _cause,
+    _kill_all,
+)
+from agent_backend.dispatch import Dispatcher
+from agent_backend.errors import (
+    AgentBackendError,
+    BackendUnavailable,
+    ConfigError,
+    NonFiniteLogprobs,
+    PoolClosed,
+    PoolError,
+    RolloutError,
+    clip,
+)
+from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
+from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
+from agent_backend.rollout.policy import Policy
+from agent_backend.rollout.pool import EpisodeSummary
+from agent_backend.rollout.trajectory import Trajectory
+from agent_backend.tools import ToolRegistry
+
+__all__ = [
+    "RayRolloutStatistics",
+    "RayRolloutWorkers",
+    "RolloutWorker",
+    "RolloutWorkerInfo",
+    "fetch_batch",
+]
+
+#: Ray concurrency slots a worker keeps beyond ``max_concurrency``: its sentinel, describe or
+#: non_finite, and close.
+_CONTROL_SLOTS: Final = 3
+#: Seconds the workers get to close their sessions and policy clients before they are killed.
+_CLOSE_TIMEOUT: Final = 15.0
+
+
+# -- inside the actor -------------------------------------------------------------------------------
+
+
+class RolloutWorker:
+    """The code inside one Ray actor: runs episodes with its own policy client and tool pool.
+
+    Public so that Ray can import it by name on any node; use it through
+    :class:`RayRolloutWorkers`. Its policy client, tool pool and dispatcher are
+    opened on the first episode, in one task that holds them for the actor's
+    life (an async context must be left by the task that entered it), and
+    closed by :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        policy: Mapping[str, Any],
+        tools_dir: str,
+        functions: Sequence[tuple[str, str | None]],
+        tool_pool: Any,
+        episode: EpisodeConfig,
+        reward: RewardFunction | None,
+    ) -> None:
+        self.name = name
+        self._policy_options = dict(policy)
+        self._tools_dir = tools_dir
+        self._functions = list(functions)
+        self._tool_pool = tool_pool
+        self._episode = episode
+        self._reward = reward
+        self._ready: anyio.Event | None = None
+        self._closing = anyio.Event()
+        self._holder: Any = None
+        self._error: BaseException | None = None
+        self._parts: tuple[Policy, Dispatcher, list[dict[str, Any]]] | None = None
+        self._counters = NonFiniteCounters()
+
+    async def describe(self) -> dict[str, Any]:
+        """Who and where this worker is (answers once the actor runs)."""
+        import os
+        import socket
+
+        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
+
+    async def wait_closed(self) -> None:
+        """Never returns: its reference fails the moment the actor dies (the driver's sentinel)."""
+        await anyio.Event().wait()
+
+    async def _hold(self) -> None:
+        from agent_backend.pool import load_pool
+        from agent_backend.rollout.policy import OpenAICompatiblePolicy
+
+        assert self._ready is not None
+        try:
+            registry = ToolRegistry.from_dir(self._tools_dir)
+            for path, tool_name in self._functions:
+                registry.add_function(_import_function(path), name=tool_name)
+            async with (
+                load_pool(self._tool_pool) as backend,
+                Dispatcher(registry, backend) as dispatcher,
+                OpenAICompatiblePolicy(**self._policy_options, counters=self._counters) as policy,
+            ):
+                self._parts = (policy, dispatcher, registry.to_openai())
+                self._ready.set()
+                await self._closing.wait()
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._parts = None
+            self._ready.set()
+
+    async def _open(self) -> tuple[Policy, Dispatcher, list[dict[str, Any]]]:
+        import asyncio
+
+        if self._ready is None:
+            self._ready = anyio.Event()
+            # The actor's own long-lived task (Ray runs every method on this loop); close() ends it.
+            self._holder = asyncio.get_running_loop().create_task(self._hold())
+        await self._ready.wait()
+        if self._parts is None:
+            raise RolloutError(f"rollout worker {self.name} could not start: {self._error!r}")
+        return self._parts
+
+    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
+        """One episode on this worker's node; its records, tagged with the worker's name."""
+        policy, dispatcher, tools = await self._open()
+        records = await run_episode(
+            prompt,
+            policy=policy,
+            dispatcher=dispatcher,
+            tools=tools,
+            reward=self._reward,
+            config=self._episode,
+            ids=ids,
+            policy_version=lambda: version,
+        )
+        return [r.model_copy(update={"extras": {**r.extras, "worker": self.name}}) for r in records]
+
+    async def run_episode_by_reference(
+        self, prompt: Any, ids: EpisodeIds, version: int
+    ) -> tuple[EpisodeSummary, list[Trajectory]]:
+        """:meth:`run_episode` and its summary. Called with two return objects: the caller
+        reads the summary and leaves the records in the object store."""
+        records = await self.run_episode(prompt, ids, version)
+        return EpisodeSummary.of(records), records
+
+    async def non_finite(self) -> NonFiniteStats:
+        return self._counters.snapshot()
+
+    async def close(self) -> None:
+        """Close the policy client, the dispatcher (every session) and the tool pool."""
+        self._closing.set()
+        if self._holder is not None:
+            with contextlib.suppress(BaseException):
+                await self._holder
+
+
+# -- the driver side --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutWorkerInfo:
+    """One rollout worker, as the driver sees it now."""
+
+    name: str
+    """``POOL-rollout-REPLICA``, ``.GENERATION`` added for a replacement (``-0.1``): as records
+    (``extras["worker"]``) and errors name it."""
+    ray_name: str
+    """The Ray actor's name (``ray.get_actor(ray_name)``, ``ray list actors``)."""
+    state: Literal["starting", "live", "dead"]
+    in_flight: int
+    served: int
+    """Episodes it returned (whatever their stop reason)."""
+    cause: str | None
+    """Why it died; None while it lives."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RayRolloutStatistics:
+    workers_live: int
+    workers_starting: int
+    workers_dead: int
+    """Replicas whose worker died and is not (yet) replaced."""
+    episodes_in_flight: int
+    episodes: int
+    """Episodes that ended (with records or a failed record) since start."""
+    episodes_lost: int
+    """Of those, episodes whose worker died while running them (``env_error`` records)."""
+    evictions: int
+    restarts: int
+    """Replacement workers started."""
+    closed: bool
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Worker:
+    index: int
+    generation: int
+    name: str
+    ray_name: str
+    handle: Any
+    split: Any
+    """``handle.run_episode_by_reference`` with two return objects: the summary, the records."""
+    sentinel: Any = None
+    state: Literal["starting", "live", "dead"] = "starting"
+    in_flight: int = 0
+    served: int = 0
+    cause: str | None = None
+
+    def info(self) -> RolloutWorkerInfo:
+        return RolloutWorkerInfo(
+            self.name, self.ray_name, self.state, self.in_flight, self.served, self.cause
+        )
+
+
+class RayRolloutWorkers:
+    """Rollout workers as Ray actors, for :class:`~agent_backend.rollout.pool.RolloutPool`
+    (``workers=``): episodes scale out.
+
+    A Ray pool file (``type = "ray"``, ``pools/ray.example.toml``) says where
+    and how many: ``address`` (or a local Ray), ``replicas`` workers, each
+    reserving ``num_cpus``/``num_gpus``/``resources``, with ``runtime_env``,
+    running up to ``max_concurrency`` episodes at once, replaced at most
+    ``max_restarts`` times when it dies. Every worker has its own policy
+    client (``policy``: the keyword arguments of
+    :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`, URL
+    included) and runs its episodes' tools on ``tool_pool`` (default: its own
+    node, the local pool): the tool files of ``tools_dir`` (default: the
+    built-ins), and the pool file's ``tools``, Python functions imported by
+    each worker and run in it. ``reward`` must pickle.
+
+    Faults are in the module docstring. A cancelled episode is cancelled on
+    its worker too (``ray.cancel``), which closes its session there.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        *,
+        policy: Mapping[str, Any],
+        tools_dir: str | Path | None = None,
+        tool_pool: Any = None,
+        episode: EpisodeConfig | None = None,
+        reward: RewardFunction | None = None,
+    ) -> None:
+        from agent_backend.pool import DEFAULT_POOL
+
+        if not isinstance(config, RayPoolConfig):
+            raise TypeError(f"a Ray pool config, not {type(config).__name__}")
+        if "url" not in policy:
+            raise ValueError("policy needs the server's url")
+        self.config = config
+        self.episode = episode or EpisodeConfig()
+        self._policy = dict(policy)
+        default_tools = Path(__file__).resolve().parents[2] / "schemas" / "tools"
+        self._tools_dir = str(tools_dir if tools_dir is not None else default_tools)
+        self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
+        self._reward = reward
+        self._token = secrets.token_hex(3)
+        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
+        self._owns_ray = False
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self._workers: list[_Worker] = []
+        """The current worker of each replica (index = replica)."""
+        self._retired: list[_Worker] = []
+        self._restarts = [0] * config.replicas
+        self._changed = anyio.Event()
+        """Set (and replaced) whenever a worker changes state or frees a slot."""
+        self._done = anyio.Event()
+        self._episodes = self._lost = self._evictions = self._replacements = 0
+
+    # -- introspection ---------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<RayRolloutWorkers pool={self.config.name} [workers: {s.workers_live} live, "
+            f"{s.workers_starting} starting, {s.workers_dead} dead | episodes: "
+            f"{s.episodes_in_flight} in flight, {s.episodes_lost} lost] {self._state}>"
+        )
+
+    @property
+    def workers(self) -> list[RolloutWorkerInfo]:
+        """The current worker of every replica."""
+        return [worker.info() for worker in self._workers]
+
+    @property
+    def ray_names(self) -> list[str]:
+        """The Ray names of every actor started so far, replaced ones included."""
+        return list(dict.fromkeys(w.ray_name for w in [*self._retired, *self._workers]))
+
+    @property
+    def capacity(self) -> int:
+        """Episodes the live workers run at once."""
+        live = sum(worker.state == "live" for worker in self._workers)
+        return live * self.config.max_concurrency
+
+    def is_closed(self) -> bool:
+        return self._state in ("closing", "closed")
+
+    def statistics(self) -> RayRolloutStatistics:
+        states = collections.Counter(worker.state for worker in self._workers)
+        return RayRolloutStatistics(
+            workers_live=states["live"],
+            workers_starting=states["starting"],
+            workers_dead=states["dead"],
+            episodes_in_flight=sum(worker.in_flight for worker in self._workers),
+            episodes=self._episodes,
+            episodes_lost=self._lost,
+            evictions=self._evictions,
+            restarts=self._replacements,
+            closed=self._state == "closed",
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Connect to Ray (or start a local one) and start every worker; wait until they run."""
+        if self._state != "new":
+            raise RolloutError(
+                f"the Ray rollout workers can be started once (they are {self._state})"
+            )
+        self._state = "starting"
+        try:
+            await anyio.to_thread.run_sync(self._connect)
+            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+            self._workers = [self._spawn(index, 0) for index in range(self.config.replicas)]
+            failures: list[AgentBackendError] = []
+
+            async def ready(worker: _Worker) -> None:
+                try:
+                    await self._await_ready(worker)
+                except AgentBackendError as exc:
+                    failures.append(exc)
+
+            async with anyio.create_task_group() as group:
+                for worker in self._workers:
+                    group.start_soon(ready, worker)
+            if failures:
+                raise failures[0]
+        except BaseException:
+            await self.aclose()
+            raise
+        for worker in self._workers:
+            worker.state = "live"
+            self._tasks.start_soon(self._watch, worker)
+        self._state = "open"
+
+    def _connect(self) -> None:
+        """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
+        try:
+            self._owns_ray = _CONNECTION.open(self.config)
+        except Exception as exc:
+            where = self.config.address or "a local Ray"
+            raise BackendUnavailable(
+                f"cannot connect to {where}: {_cause(exc)}", backend="ray", host=self.config.address
+            ) from None
+
+    def _spawn(self, index: int, generation: int) -> _Worker:
+        config = self.config
+        # Replacements only get a generation suffix: a first worker's name, which records
+        # carry (extras["worker"]), stays what it was before workers were replaced.
+        name = f"{config.name}-rollout-{index}" + (f".{generation}" if generation else "")
+        ray_name = f"agent_backend/rollout/{config.name}/{self._token}/{index}.{generation}"
+        options: dict[str, Any] = {
+            "name": ray_name,
+            "num_cpus": config.num_cpus,
+            "num_gpus": config.num_gpus,
+            "max_concurrency": config.max_concurrency + _CONTROL_SLOTS,
+            "max_restarts": 0,  # replaced by the driver, which keeps serving meanwhile
+            "max_task_retries": 0,
+        }
+        if config.resources:
+            options["resources"] = dict(config.resources)
+        if config.runtime_env is not None:
+            options["runtime_env"] = config.runtime_env
+        functions = [(tool.function, tool.name) for tool in config.tools]
+        handle = (
+            _worker_class()
+            .options(**options)
+            .remote(
+                name,
+                self._policy,
+                self._tools_dir,
+                functions,
+                self._tool_pool,
+                self.episode,
+                self._reward,
+            )
+        )
+        split = handle.run_episode_by_reference.options(num_returns=2)
+        worker = _Worker(index, generation, name, ray_name, handle, split)
+        worker.sentinel = handle.wait_closed.remote()
+        return worker
+
+    async def _await_ready(self, worker: _Worker) -> None:
+        """Wait (at most ``start_timeout``) for ``worker``'s actor to run."""
+        timeout = self.config.start_timeout
+        with anyio.move_on_after(timeout) as scope:
+            try:
+                await worker.handle.describe.remote()
+            except ray.exceptions.RuntimeEnvSetupError as exc:
+                raise ConfigError(
+                    f"rollout worker {worker.name}: its runtime_env could not be set up: "
+                    f"{_cause(exc)}",
+                    key="runtime_env",
+                    expected="a runtime_env Ray can set up on the cluster's nodes",
+                ) from None
+            except ray.exceptions.RayError as exc:
+                raise BackendUnavailable(
+                    f"rollout worker {worker.name} did not start: {_cause(exc)}", backend="ray"
+                ) from None
+        if scope.cancelled_caught:
+            raise BackendUnavailable(
+                f"rollout worker {worker.name} did not start within {timeout:g} s "
+                f"(it reserves {self.config.actor_resources() or 'nothing'})",
+                backend="ray",
+            )
+
+    async def aclose(self) -> None:
+        """Close every worker (sessions, policy clients), kill the actors; idempotent."""
+        if self._state == "closed":
+            return
+        if self._state == "closing":
+            await self._done.wait()
+            return
+        self._state = "closing"
+        try:
+            if self._tasks is not None:
+                self._tasks.cancel_scope.cancel()
+            # Exited here, not under the shield below: a task group's scope must be the
+            # innermost one when it exits. Its tasks are cancelled, so this is quick.
+            await self._stack.aclose()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    with anyio.move_on_after(_CLOSE_TIMEOUT):
+                        async with anyio.create_task_group() as group:
+                            for worker in self._workers:
+                                if worker.state == "live":
+                                    group.start_soon(self._close_worker, worker)
+                    await self._stop([*self._retired, *self._workers])
+                    if self._owns_ray:
+                        self._owns_ray = False
+                        await anyio.to_thread.run_sync(_CONNECTION.close)
+                finally:
+                    self._state = "closed"
+                    self._done.set()
+                    self._notify()
+
+    @staticmethod
+    async def _close_worker(worker: _Worker) -> None:
+        with contextlib.suppress(Exception):
+            await worker.handle.close.remote()
+
+    async def _stop(self, workers: Sequence[_Worker]) -> None:
+        """Kill every actor and wait (bounded) until Ray reports each dead."""
+        for worker in workers:
+            if worker.state != "dead":
+                worker.state, worker.cause = "dead", "the workers were closed"
+        if not workers or not ray.is_initialized():
+            return
+        await anyio.to_thread.run_sync(_kill_all, [worker.handle for worker in workers])
+        with anyio.move_on_after(10):
+            for worker in workers:
+                with contextlib.suppress(Exception):
+                    await worker.sentinel
+
+    # -- faults ----------------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def _watch(self, worker: _Worker) -> None:
+        try:
+            await worker.sentinel
+        except Exception as exc:
+            self._evict(worker, _cause(exc))
+
+    def _evict(self, worker: _Worker, cause: str) -> None:
+        """Mark ``worker`` dead (once) and schedule its retirement and replacement."""
+        if worker.state == "dead":
+            return
+        worker.state = "dead"
+        worker.cause = cause
+        self._evictions += 1
+        if self._tasks is not None and self._state == "open":
+            replace = self._restarts[worker.index] < self.config.max_restarts
+            self._tasks.start_soon(self._retire, worker, replace)
+        self._notify()
+
+    async def _retire(self, worker: _Worker, replace: bool) -> None:
+        self._retired.append(worker)
+        await anyio.to_thread.run_sync(_kill_all, [worker.handle])
+        index = worker.index
+        while replace and self._restarts[index] < self.config.max_restarts:
+            self._restarts[index] += 1
+            self._replacements += 1
+            new = self._spawn(index, self._restarts[index])
+            self._workers[index] = new
+            self._notify()
+            try:
+                await self._await_ready(new)
+            except AgentBackendError as exc:
+                new.state, new.cause = "dead", str(exc)
+                self._retired.append(new)
+                await anyio.to_thread.run_sync(_kill_all, [new.handle])
+                self._notify()
+                await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
+                continue
+            new.state = "live"
+            assert self._tasks is not None
+            self._tasks.start_soon(self._watch, new)
+            self._notify()
+            return
+        self._notify()
+
+    def _out_of_workers(self) -> bool:
+        """No worker is live or starting, and no replica may be replaced any more."""
+        return all(worker.state == "dead" for worker in self._workers) and not any(
+            self._restarts[worker.index] < self.config.max_restarts for worker in self._workers
+        )
+
+    def _no_worker_error(self) -> BackendUnavailable:
+        causes = "; ".join(f"{w.name}: {w.cause}" for w in self._workers if w.cause)
+        return BackendUnavailable(
+            f"every Ray rollout worker of pool {self.config.name!r} is dead and out of "
+            f"restarts (max_restarts={self.config.max_restarts}): {causes}",
+            backend="ray",
+        )
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def _pick(self) -> _Worker | None:
+        """The least-loaded live worker with a free slot (fewest served breaks ties)."""
+        limit = self.config.max_concurrency
+        free = [w for w in self._workers if w.state == "live" and w.in_flight < limit]
+        return min(free, key=lambda w: (w.in_flight, w.served)) if free else None
+
+    async def _acquire(self) -> _Worker:
+        while True:
+            if self._state in ("closing", "closed"):
+                raise PoolClosed(f"the Ray rollout workers of pool {self.config.name!r} are closed")
+            if self._state != "open":
+                raise PoolError(
+                    f"the Ray rollout workers of pool {self.config.name!r} are not started: "
+                    "use `async with`"
+                )
+            worker = self._pick()
+            if worker is not None:
+                worker.in_flight += 1
+                return worker
+            if self._out_of_workers():
+                raise self._no_worker_error()
+            await self._changed.wait()
+
+    def _release(self, worker: _Worker) -> None:
+        worker.in_flight -= 1
+        self._episodes += 1
+        self._notify()
+
+    # -- episodes --------------------------------------------------------------------------------
+
+    async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
+        """One episode on the least-loaded live worker: its records (fetched into this process).
+
+        A worker lost mid-episode gives an ``env_error`` record. Raises
+        :class:`BackendUnavailable` when no worker is left (nor any restart),
+        :class:`NonFiniteLogprobs` under the ``fail`` policy.
+        """
+        outcome = await self._submit(prompt, ids, version, by_reference=False)
+        assert isinstance(outcome, list)
+        return outcome
+
+    async def run_episode_by_reference(
+        self, prompt: Any, ids: EpisodeIds, version: int
+    ) -> tuple[EpisodeSummary, ray.ObjectRef[list[Trajectory]]]:
+        """:meth:`run_episode`, its records left in the object store: their summary and ref.
+
+        This process owns the object (a failed record made here is put there
+        too); Ray frees it once every reference to it is gone.
+        """
+        outcome = await self._submit(prompt, ids, version, by_reference=True)
+        if isinstance(outcome, list):
+            return EpisodeSummary.of(outcome), ray.put(outcome)
+        return outcome
+
+    async def _submit(
+        self, prompt: Any, ids: EpisodeIds, version: int, *, by_reference: bool
+    ) -> list[Trajectory] | tuple[EpisodeSummary, ray.ObjectRef[list[Trajectory]]]:
+        """One episode on a worker: its records, or by reference its summary and records' ref
+        (a failed record is always returned as records)."""
+        worker = await self._acquire()
+        try:
+            if by_reference:
+                first, second = worker.split.remote(prompt, ids, version)
+            else:
+                first = second = worker.handle.run_episode.remote(prompt, ids, version)
+        except Exception as exc:  # the prompt does not pickle
+            self._release(worker)
+            error = f"the episode cannot be sent to a Ray worker: {type(exc).__name__}: {exc}"
+            return self._failed(ids, version, "rollout_error", error)
+        try:
+            if by_reference:
+                summary: EpisodeSummary = await first
+                worker.served += 1
+                return summary, second
+            records: list[Trajectory] = await first
+            worker.served += 1
+            return records
+        except ray.exceptions.RayTaskError as exc:  # the episode raised on a live worker
+            await _drain(second)
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, NonFiniteLogprobs):
+                raise cause from None  # the "fail" policy: the run must stop
+            error = _cause(exc) if cause is None else f"{type(cause).__name__}: {cause}"
+            return self._failed(ids, version, "rollout_error", error)
+        except _ACTOR_DEATHS as exc:
+            await _drain(second)
+            cause_text = _cause(exc)
+            self._evict(worker, cause_text)
+            self._lost += 1
+            error = f"rollout worker {worker.name} was lost: {cause_text}"
+            return self._failed(ids, version, "env_error", error)
+        except ray.exceptions.RayError as exc:
+            await _drain(second)
+            error = f"Ray failed the episode on rollout worker {worker.name}: {_cause(exc)}"
+            return self._failed(ids, version, "env_error", error)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ray.cancel(first)  # the episode stops on its worker too; its session closes there
+            raise
+        finally:
+            self._release(worker)
+
+    def _failed(self, ids: EpisodeIds, version: int, reason: Any, error: str) -> list[Trajectory]:
+        return _failed_record(ids, version, reason, error, self.episode.failure_reward)
+
+    async def non_finite(self) -> NonFiniteStats:
+        """The non-finite logprob counts of every live worker, summed (a dead worker's are lost)."""
+        totals: collections.Counter[str] = collections.Counter()
+        for worker in self._workers:
+            if worker.state == "live":
+                with contextlib.suppress(Exception):
+                    stats = await worker.handle.non_finite.remote()
+                    totals.update(dataclasses.asdict(stats))
+        return NonFiniteStats(**totals)
+
+
+async def _drain(ref: Any) -> None:
+    """Read a failed task's other return object, or Ray logs its error as unhandled."""
+    with contextlib.suppress(Exception):
+        await ref
+
+
+def fetch_batch(refs: Sequence[ray.ObjectRef[list[Trajectory]]]) -> list[Trajectory]:
+    """In a trainer's Ray actor: the records of a batch by reference, in order (one ``ray.get``).
+
+    In an async actor, ``[t for part in await asyncio.gather(*refs) for t in part]``
+    does the same without blocking its event loop.
+    """
+    return [record for part in ray.get(list(refs)) for record in part]
+
+
+def _import_function(path: str) -> Callable[..., Any]:
+    """``package.module:function`` (or ``module:Class.method``), imported."""
+    import importlib
+
+    module_name, _, attributes = path.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for attribute in attributes.split("."):
+        target = getattr(target, attribute)
+    if not callable(target):
+        raise TypeError(f"{path} is not a function")
+    return target  # type: ignore[no-any-return]
+
+
+def _failed_record(
+    ids: EpisodeIds, version: int, reason: Any, error: str, reward: float
+) -> list[Trajectory]:
+    """The record of an episode that did not end on its worker (lost, or never sent)."""
+    from agent_backend.rollout.trajectory import SegmentBuilder
+
+    return SegmentBuilder().build(
+        rollout_id=ids.rollout_id,
+        group_id=ids.group_id,
+        sample_idx=ids.sample_idx,
+        prompt_index=ids.prompt_index,
+        reward=reward,
+        policy_version_start=version,
+        policy_version_end=version,
+        stop_reason=reason,
+        num_turns=0,
+        error=clip(error, 2000),
+    )
+
+
+@functools.cache
+def _worker_class() -> Any:
+    return ray.remote(RolloutWorker)

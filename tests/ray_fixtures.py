@@ -58,9 +58,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> RayCluster:
     """
     ray = require_ray()
     if not _started:
-        from agent_backend.backends.ray import _loopback_only
+        from agent_backend.backends.ray_runtime import loopback_only
 
-        _loopback_only()  # the test cluster listens on 127.0.0.1 only
+        loopback_only()  # the test cluster listens on 127.0.0.1 only
         ray.init(
             num_cpus=2,
             num_gpus=2,

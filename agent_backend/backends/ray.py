@@ -34,8 +34,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
-import threading
 import time
 import uuid
 import weakref
@@ -52,6 +50,12 @@ import ray.exceptions
 from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
 from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
+from agent_backend.backends.ray_runtime import (
+    ACTOR_DEATHS,
+    CONNECTION,
+    describe_cause,
+    kill_actors,
+)
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,
@@ -85,7 +89,6 @@ _IMPORT_PATH: Final = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 _RESOURCE_NAME: Final = r"^[A-Za-z_][\w.:/-]*$"
 #: Ray concurrency slots an actor keeps beyond ``max_concurrency``: its death sentinel and describe().
 _CONTROL_SLOTS: Final = 2
-_CAUSE_LIMIT: Final = 500
 
 
 def _check_gpus(value: float) -> float:
@@ -138,21 +141,6 @@ class RayToolConfig(pydantic.BaseModel):
 
 def _tool_entry(value: object) -> object:
     return {"function": value} if isinstance(value, str) else value
-
-
-def _loopback_only() -> None:
-    """Make a Ray that this pool starts itself listen and talk on 127.0.0.1 only.
-
-    Ray binds a single-node cluster to the machine's primary address unless
-    told it is not a cluster; a laptop or CI run has no reason to expose its
-    GCS and raylet beyond loopback. Workers inherit the environment variable;
-    the driver's already-imported constant is set too. A joined cluster
-    (``address`` set) is left as its operator configured it.
-    """
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
-        constants.ENABLE_RAY_CLUSTER = False
 
 
 class LocalRayConfig(pydantic.BaseModel):
@@ -243,19 +231,6 @@ class RayPoolConfig(pydantic.BaseModel):
 # -- mapping Ray's errors ---------------------------------------------------------------------------
 
 
-def _cause(exc: BaseException) -> str:
-    """Ray's reason, short: ``ActorDiedError: The actor is dead because it was killed by ...``.
-
-    Ray's messages open with a generic line and tab-indented ids; the lines
-    after those say why, so those are kept when there are any.
-    """
-    text = str(getattr(exc, "error_msg", None) or exc)
-    lines = [line for line in text.splitlines() if line.strip()]
-    reasons = [line.strip() for line in lines[1:] if not line[:1].isspace()]
-    picked = reasons or [line.strip() for line in lines[:1]]
-    return clip(f"{type(exc).__name__}: {' '.join(picked)}".rstrip(": "), _CAUSE_LIMIT)
-
-
 def _task_error(exc: BaseException, tool: str) -> AgentBackendError:
     """A failed actor task (the tool already returns its own errors: so Ray's serialization of
     the arguments or the result, as a rule) as the error it carries or a :class:`ToolFailed`."""
@@ -264,7 +239,7 @@ def _task_error(exc: BaseException, tool: str) -> AgentBackendError:
         return cause
     if isinstance(cause, BaseException):
         return tool_failure(cause, tool=tool)
-    return ToolFailed(_cause(exc), tool=tool, error_type=type(exc).__name__)
+    return ToolFailed(describe_cause(exc), tool=tool, error_type=type(exc).__name__)
 
 
 # -- the driver side --------------------------------------------------------------------------------
@@ -376,15 +351,6 @@ class _ActorDied(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
-
-
-_ACTOR_DEATHS: Final[tuple[type[BaseException], ...]] = (
-    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
-    ray.exceptions.WorkerCrashedError,
-    ray.exceptions.OutOfMemoryError,
-    ray.exceptions.NodeDiedError,
-    ray.exceptions.LocalRayletDiedError,
-)
 
 
 class RayBackend(Backend):
@@ -521,11 +487,11 @@ class RayBackend(Backend):
     def _connect(self) -> None:
         """Join or start Ray (blocking: runs in a worker thread)."""
         try:
-            self._owns_ray = _CONNECTION.open(self.config)
+            self._owns_ray = CONNECTION.open(self.config)
         except Exception as exc:
             where = self.config.address or "a local Ray"
             raise BackendUnavailable(
-                f"cannot connect to {where}: {_cause(exc)}",
+                f"cannot connect to {where}: {describe_cause(exc)}",
                 backend="ray",
                 host=self.config.address,
             ) from None
@@ -583,13 +549,13 @@ class RayBackend(Backend):
                 info = await actor.handle.describe.remote()
             except ray.exceptions.RuntimeEnvSetupError as exc:
                 raise ConfigError(
-                    f"actor {actor.name}: its runtime_env could not be set up: {_cause(exc)}",
+                    f"actor {actor.name}: its runtime_env could not be set up: {describe_cause(exc)}",
                     key="runtime_env",
                     expected="a runtime_env Ray can set up on the cluster's nodes",
                 ) from None
             except ray.exceptions.RayError as exc:
                 raise BackendUnavailable(
-                    f"actor {actor.name} did not start: {_cause(exc)}", backend="ray"
+                    f"actor {actor.name} did not start: {describe_cause(exc)}", backend="ray"
                 ) from None
         if scope.cancelled_caught:
             available = await anyio.to_thread.run_sync(ray.available_resources)
@@ -642,7 +608,7 @@ class RayBackend(Backend):
                         payload.release()
                     if self._owns_ray:
                         self._owns_ray = False
-                        await anyio.to_thread.run_sync(_CONNECTION.close)
+                        await anyio.to_thread.run_sync(CONNECTION.close)
                 finally:
                     self._state = "closed"
                     self._done.set()
@@ -654,7 +620,7 @@ class RayBackend(Backend):
                 actor.state, actor.cause = "dead", "the pool was closed"
         if not actors or not ray.is_initialized():
             return
-        await anyio.to_thread.run_sync(_kill_all, [actor.handle for actor in actors])
+        await anyio.to_thread.run_sync(kill_actors, [actor.handle for actor in actors])
         with anyio.move_on_after(10):
             for actor in actors:
                 with contextlib.suppress(Exception):
@@ -666,7 +632,7 @@ class RayBackend(Backend):
         try:
             await actor.sentinel
         except Exception as exc:
-            self._evict(actor, _cause(exc))
+            self._evict(actor, describe_cause(exc))
 
     def _evict(self, actor: _Actor, cause: str) -> None:
         """Mark ``actor`` dead (once) and schedule its retirement and replacement."""
@@ -680,7 +646,7 @@ class RayBackend(Backend):
         self._dispatch_waiters()
 
     async def _retire(self, actor: _Actor, replace: bool) -> None:
-        await anyio.to_thread.run_sync(_kill_all, [actor.handle])
+        await anyio.to_thread.run_sync(kill_actors, [actor.handle])
         index = actor.index
         while replace and self._restarts[index] < self.config.max_restarts:
             self._restarts[index] += 1
@@ -692,7 +658,7 @@ class RayBackend(Backend):
                 await self._await_ready(new)
             except AgentBackendError as exc:
                 new.state, new.cause = "dead", str(exc)
-                await anyio.to_thread.run_sync(_kill_all, [new.handle])
+                await anyio.to_thread.run_sync(kill_actors, [new.handle])
                 self._dispatch_waiters()
                 await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
                 continue
@@ -877,8 +843,8 @@ class RayBackend(Backend):
             ):
                 try:
                     outcome: Outcome = await outcome_ref
-                except _ACTOR_DEATHS as exc:
-                    raise _ActorDied(_cause(exc)) from None
+                except ACTOR_DEATHS as exc:
+                    raise _ActorDied(describe_cause(exc)) from None
                 except ray.exceptions.RayTaskError as exc:
                     raise _task_error(exc, tool) from None
         except (_ActorDied, AgentBackendError):
@@ -914,62 +880,6 @@ class RayBackend(Backend):
                 await ref
         finally:
             self._release(actor)
-
-
-class _Connection:
-    """This process's connection to Ray, as pools see it: who opened it, how many pools use it.
-
-    A pool either finds Ray connected by someone else (a trainer's ``ray.init()``:
-    used, never closed), or opens the connection itself: joining ``address``, or
-    starting a local Ray. A connection pools opened is shared by every pool of the
-    process and closed (``ray.shutdown()``: disconnect, and stop a local Ray) when
-    the last of them closes. Blocking: called in worker threads, under a lock.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._opened = False
-        self._users = 0
-
-    def open(self, config: RayPoolConfig) -> bool:
-        """Connect if needed; True when the caller must :meth:`close` (a pool-opened connection)."""
-        with self._lock:
-            if ray.is_initialized():
-                if not self._opened:
-                    return False
-                self._users += 1
-                return True
-            if config.address is not None:
-                ray.init(address=config.address, log_to_driver=config.log_to_driver)
-            else:
-                local = config.local
-                _loopback_only()
-                ray.init(
-                    num_cpus=local.num_cpus,
-                    num_gpus=local.num_gpus,
-                    object_store_memory=local.object_store_memory,
-                    resources=local.resources or None,
-                    include_dashboard=False,
-                    log_to_driver=config.log_to_driver,
-                )
-            self._opened, self._users = True, 1
-            return True
-
-    def close(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0 and self._opened:
-                self._opened = False
-                ray.shutdown()
-
-
-_CONNECTION: Final = _Connection()
-
-
-def _kill_all(handles: Sequence[Any]) -> None:
-    for handle in handles:
-        with contextlib.suppress(Exception):
-            ray.kill(handle, no_restart=True)
 
 
 def _render(resources: Mapping[str, float]) -> str:

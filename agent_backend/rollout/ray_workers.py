@@ -48,12 +48,12 @@ import anyio.to_thread
 import ray
 import ray.exceptions
 
-from agent_backend.backends.ray import (
-    _ACTOR_DEATHS,
-    _CONNECTION,
-    RayPoolConfig,
-    _cause,
-    _kill_all,
+from agent_backend.backends.ray import RayPoolConfig
+from agent_backend.backends.ray_runtime import (
+    ACTOR_DEATHS,
+    CONNECTION,
+    describe_cause,
+    kill_actors,
 )
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
@@ -413,11 +413,13 @@ class RayRolloutWorkers:
     def _connect(self) -> None:
         """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
         try:
-            self._owns_ray = _CONNECTION.open(self.config)
+            self._owns_ray = CONNECTION.open(self.config)
         except Exception as exc:
             where = self.config.address or "a local Ray"
             raise BackendUnavailable(
-                f"cannot connect to {where}: {_cause(exc)}", backend="ray", host=self.config.address
+                f"cannot connect to {where}: {describe_cause(exc)}",
+                backend="ray",
+                host=self.config.address,
             ) from None
 
     def _spawn(self, index: int, generation: int) -> _Worker:
@@ -466,13 +468,14 @@ class RayRolloutWorkers:
             except ray.exceptions.RuntimeEnvSetupError as exc:
                 raise ConfigError(
                     f"rollout worker {worker.name}: its runtime_env could not be set up: "
-                    f"{_cause(exc)}",
+                    f"{describe_cause(exc)}",
                     key="runtime_env",
                     expected="a runtime_env Ray can set up on the cluster's nodes",
                 ) from None
             except ray.exceptions.RayError as exc:
                 raise BackendUnavailable(
-                    f"rollout worker {worker.name} did not start: {_cause(exc)}", backend="ray"
+                    f"rollout worker {worker.name} did not start: {describe_cause(exc)}",
+                    backend="ray",
                 ) from None
         if scope.cancelled_caught:
             raise BackendUnavailable(
@@ -506,7 +509,7 @@ class RayRolloutWorkers:
                     await self._stop([*self._retired, *self._workers])
                     if self._owns_ray:
                         self._owns_ray = False
-                        await anyio.to_thread.run_sync(_CONNECTION.close)
+                        await anyio.to_thread.run_sync(CONNECTION.close)
                 finally:
                     self._state = "closed"
                     self._done.set()
@@ -524,7 +527,7 @@ class RayRolloutWorkers:
                 worker.state, worker.cause = "dead", "the workers were closed"
         if not workers or not ray.is_initialized():
             return
-        await anyio.to_thread.run_sync(_kill_all, [worker.handle for worker in workers])
+        await anyio.to_thread.run_sync(kill_actors, [worker.handle for worker in workers])
         with anyio.move_on_after(10):
             for worker in workers:
                 with contextlib.suppress(Exception):
@@ -540,7 +543,7 @@ class RayRolloutWorkers:
         try:
             await worker.sentinel
         except Exception as exc:
-            self._evict(worker, _cause(exc))
+            self._evict(worker, describe_cause(exc))
 
     def _evict(self, worker: _Worker, cause: str) -> None:
         """Mark ``worker`` dead (once) and schedule its retirement and replacement."""
@@ -556,7 +559,7 @@ class RayRolloutWorkers:
 
     async def _retire(self, worker: _Worker, replace: bool) -> None:
         self._retired.append(worker)
-        await anyio.to_thread.run_sync(_kill_all, [worker.handle])
+        await anyio.to_thread.run_sync(kill_actors, [worker.handle])
         index = worker.index
         while replace and self._restarts[index] < self.config.max_restarts:
             self._restarts[index] += 1
@@ -569,7 +572,7 @@ class RayRolloutWorkers:
             except AgentBackendError as exc:
                 new.state, new.cause = "dead", str(exc)
                 self._retired.append(new)
-                await anyio.to_thread.run_sync(_kill_all, [new.handle])
+                await anyio.to_thread.run_sync(kill_actors, [new.handle])
                 self._notify()
                 await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
                 continue
@@ -678,18 +681,18 @@ class RayRolloutWorkers:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, NonFiniteLogprobs):
                 raise cause from None  # the "fail" policy: the run must stop
-            error = _cause(exc) if cause is None else f"{type(cause).__name__}: {cause}"
+            error = describe_cause(exc) if cause is None else f"{type(cause).__name__}: {cause}"
             return self._failed(ids, version, "rollout_error", error)
-        except _ACTOR_DEATHS as exc:
+        except ACTOR_DEATHS as exc:
             await _drain(second)
-            cause_text = _cause(exc)
+            cause_text = describe_cause(exc)
             self._evict(worker, cause_text)
             self._lost += 1
             error = f"rollout worker {worker.name} was lost: {cause_text}"
             return self._failed(ids, version, "env_error", error)
         except ray.exceptions.RayError as exc:
             await _drain(second)
-            error = f"Ray failed the episode on rollout worker {worker.name}: {_cause(exc)}"
+            error = f"Ray failed the episode on rollout worker {worker.name}: {describe_cause(exc)}"
             return self._failed(ids, version, "env_error", error)
         except BaseException:
             with contextlib.suppress(Exception):

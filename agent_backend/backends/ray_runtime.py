@@ -1,0 +1,154 @@
+"""This process's plumbing to Ray, shared by the Ray tool pool and the Ray rollout workers.
+
+One connection per process (:data:`CONNECTION`: who opened it, how many pools
+use it, closed by the last of them), loopback-only local clusters, the Ray
+exceptions that mean an actor is gone, and a short cause for an error
+message. Blocking calls (``ray.init``, ``ray.kill``) are meant for worker
+threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Final, Protocol
+
+import ray
+import ray.exceptions
+
+from agent_backend.errors import clip
+
+__all__ = [
+    "ACTOR_DEATHS",
+    "CAUSE_LIMIT",
+    "CONNECTION",
+    "ConnectConfig",
+    "RayConnection",
+    "describe_cause",
+    "kill_actors",
+    "loopback_only",
+]
+
+#: The longest cause :func:`describe_cause` returns.
+CAUSE_LIMIT: Final = 500
+
+
+class LocalSpec(Protocol):
+    """How to start a local Ray (``RayPoolConfig.local``)."""
+
+    @property
+    def num_cpus(self) -> int | None: ...
+    @property
+    def num_gpus(self) -> int | None: ...
+    @property
+    def object_store_memory(self) -> int | None: ...
+    @property
+    def resources(self) -> Mapping[str, float]: ...
+
+
+class ConnectConfig(Protocol):
+    """What opening the connection reads from a pool config (``RayPoolConfig``)."""
+
+    @property
+    def address(self) -> str | None: ...
+    @property
+    def local(self) -> LocalSpec: ...
+    @property
+    def log_to_driver(self) -> bool: ...
+
+
+def loopback_only() -> None:
+    """Make a Ray that this pool starts itself listen and talk on 127.0.0.1 only.
+
+    Ray binds a single-node cluster to the machine's primary address unless
+    told it is not a cluster; a laptop or CI run has no reason to expose its
+    GCS and raylet beyond loopback. Workers inherit the environment variable;
+    the driver's already-imported constant is set too. A joined cluster
+    (``address`` set) is left as its operator configured it.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and hasattr(constants, "ENABLE_RAY_CLUSTER"):
+        constants.ENABLE_RAY_CLUSTER = False
+
+
+def describe_cause(exc: BaseException) -> str:
+    """Ray's reason, short: ``ActorDiedError: The actor is dead because it was killed by ...``.
+
+    Ray's messages open with a generic line and tab-indented ids; the lines
+    after those say why, so those are kept when there are any.
+    """
+    text = str(getattr(exc, "error_msg", None) or exc)
+    lines = [line for line in text.splitlines() if line.strip()]
+    reasons = [line.strip() for line in lines[1:] if not line[:1].isspace()]
+    picked = reasons or [line.strip() for line in lines[:1]]
+    return clip(f"{type(exc).__name__}: {' '.join(picked)}".rstrip(": "), CAUSE_LIMIT)
+
+
+ACTOR_DEATHS: Final[tuple[type[BaseException], ...]] = (
+    ray.exceptions.RayActorError,  # ActorDiedError, ActorUnavailableError
+    ray.exceptions.WorkerCrashedError,
+    ray.exceptions.OutOfMemoryError,
+    ray.exceptions.NodeDiedError,
+    ray.exceptions.LocalRayletDiedError,
+)
+"""Ray exceptions that mean the actor (its process or its node) is gone."""
+
+
+class RayConnection:
+    """This process's connection to Ray, as pools see it: who opened it, how many pools use it.
+
+    A pool either finds Ray connected by someone else (a trainer's ``ray.init()``:
+    used, never closed), or opens the connection itself: joining ``address``, or
+    starting a local Ray. A connection pools opened is shared by every pool of the
+    process and closed (``ray.shutdown()``: disconnect, and stop a local Ray) when
+    the last of them closes. Blocking: called in worker threads, under a lock.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._opened = False
+        self._users = 0
+
+    def open(self, config: ConnectConfig) -> bool:
+        """Connect if needed; True when the caller must :meth:`close` (a pool-opened connection)."""
+        with self._lock:
+            if ray.is_initialized():
+                if not self._opened:
+                    return False
+                self._users += 1
+                return True
+            if config.address is not None:
+                ray.init(address=config.address, log_to_driver=config.log_to_driver)
+            else:
+                local = config.local
+                loopback_only()
+                ray.init(
+                    num_cpus=local.num_cpus,
+                    num_gpus=local.num_gpus,
+                    object_store_memory=local.object_store_memory,
+                    resources=dict(local.resources) or None,
+                    include_dashboard=False,
+                    log_to_driver=config.log_to_driver,
+                )
+            self._opened, self._users = True, 1
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._opened:
+                self._opened = False
+                ray.shutdown()
+
+
+CONNECTION: Final = RayConnection()
+"""The process's one connection to Ray, shared by tool pools and rollout workers."""
+
+
+def kill_actors(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=True)

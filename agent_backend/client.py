@@ -15,6 +15,10 @@ the call once and hands the retry the first result. Failures come back as
 the same exception classes as in-process (:func:`agent_backend.wire.error_from_wire`),
 and an unreachable daemon as :class:`~agent_backend.errors.BackendUnavailable`.
 
+Requests to an ``http://`` daemon go through :class:`~agent_backend.http11.HTTP11Transport`
+(a lean HTTP/1.1 keep-alive transport: with it a call costs the client about
+a third of the CPU it does on httpx's default one); ``https://`` through httpx's own.
+
 :class:`SyncClient` is the same client for code without an event loop.
 This module must never retry without the idempotency key, never retry a
 5xx that may have run the call (502, 504), and never import a class a
@@ -38,13 +42,13 @@ import httpx
 import orjson
 
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
-from agent_backend.errors import AgentBackendError, BackendUnavailable, PoolClosed
+from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
+from agent_backend.http11 import HTTP11Transport
 from agent_backend.tokens import find_token
 from agent_backend.wire import (
     API_PREFIX,
     IDEMPOTENCY_HEADER,
     BatchResponse,
-    NotFound,
     Readiness,
     SessionInfo,
     ToolsResponse,
@@ -57,6 +61,7 @@ __all__ = ["DEFAULT_URL", "Client", "RemoteSession", "SyncClient", "SyncSession"
 DEFAULT_URL: Final = "http://127.0.0.1:8765"
 URL_ENV: Final = "AGENT_BACKEND_URL"
 
+_IDEMPOTENCY_HEADER = IDEMPOTENCY_HEADER.encode()
 # Safe to retry with the same key: refused before running (429 RateLimited, 503).
 _RETRY_STATUSES = frozenset({429, 503})
 # The longest Retry-After honoured; beyond it the error is raised.
@@ -82,6 +87,35 @@ def _wire_call(call: CallLike, index: int) -> dict[str, Any]:
     if item.error is not None:
         wire["error"] = item.error
     return wire
+
+
+class _Cookies(httpx.Cookies):
+    """httpx's cookie jar, minus the cost of looking for cookies in answers that set none.
+
+    httpx hands every response to :mod:`http.cookiejar` through adapter objects,
+    which costs more CPU than parsing the response (bench/daemon_bench.py);
+    the daemon sets no cookies, but a proxy in front of it may, and those are kept.
+    """
+
+    def extract_cookies(self, response: httpx.Response) -> None:
+        if "set-cookie" in response.headers:
+            super().extract_cookies(response)
+
+
+class _AsyncClient(httpx.AsyncClient):
+    """``httpx.AsyncClient`` with :class:`_Cookies` as its jar."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._jar = _Cookies(options.get("cookies"))
+
+    @property
+    def cookies(self) -> httpx.Cookies:
+        return self._jar
+
+    @cookies.setter
+    def cookies(self, cookies: Any) -> None:
+        self._jar = _Cookies(cookies)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -123,7 +157,9 @@ class Client:
             backoff: seconds before the first retry; doubled each time (with jitter).
             read_timeout: seconds to wait for an answer; a call runs up to its tool's
                 timeout, so keep this above the daemon's ``max_timeout``.
-            transport: an httpx transport (tests).
+            max_connections: connections to the daemon open at once (more calls wait).
+            transport: an httpx transport (tests); default: :class:`HTTP11Transport` for
+                an ``http://`` URL, httpx's own for ``https://``.
         """
         if retries < 0 or backoff < 0 or max_backoff < 0:
             raise ValueError("retries, backoff and max_backoff must not be negative")
@@ -133,15 +169,33 @@ class Client:
         self.backoff = backoff
         self.max_backoff = max_backoff
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(
+        limits = httpx.Limits(
+            max_connections=max_connections, max_keepalive_connections=max_connections
+        )
+        if transport is None and self.url.startswith("http://"):
+            transport = HTTP11Transport(max_connections=max_connections)
+        self._http = _AsyncClient(
             base_url=self.url,
             headers=headers,
             timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
+            limits=limits,
             transport=transport,
         )
+        # httpx's defaults that say nothing to the daemon (it never compresses, and
+        # HTTP/1.1 keeps connections alive anyway); every header costs httpx CPU per request.
+        for name in ("Accept", "Accept-Encoding", "Connection"):
+            del self._http.headers[name]
+        # Absolute URLs for the fixed routes: httpx re-parses a relative one on every request.
+        self._urls = {
+            path: httpx.URL(self.url + path)
+            for path in (
+                f"{API_PREFIX}/call",
+                f"{API_PREFIX}/batch",
+                f"{API_PREFIX}/sessions",
+                f"{API_PREFIX}/tools",
+                f"{API_PREFIX}/health/ready",
+            )
+        }
         self._closed = False
 
     def __repr__(self) -> str:
@@ -186,18 +240,22 @@ class Client:
     ) -> httpx.Response:
         if self._closed:
             raise PoolClosed("the client is closed")
-        headers = {}
+        headers: list[tuple[bytes, bytes]] = []  # raw: httpx normalizes str headers again
         content = None
         if body is not None:
             content = _dumps(body)
-            headers["Content-Type"] = "application/json"
+            headers.append((b"Content-Type", b"application/json"))
         if key is not None:
-            headers[IDEMPOTENCY_HEADER] = key
+            headers.append((_IDEMPOTENCY_HEADER, key.encode()))
         attempt = 0
         while True:
             try:
                 response = await self._http.request(
-                    method, path, content=content, headers=headers, params=params
+                    method,
+                    self._urls.get(path, path),
+                    content=content,
+                    headers=headers,
+                    params=params,
                 )
             except httpx.TransportError as exc:
                 if attempt >= self.retries or (key is None and method == "POST"):
@@ -279,7 +337,7 @@ class Client:
     async def ready(self) -> Readiness:
         """The daemon's readiness (not an error when it is not ready)."""
         try:
-            response = await self._http.get(f"{API_PREFIX}/health/ready")
+            response = await self._http.get(self._urls[f"{API_PREFIX}/health/ready"])
         except httpx.TransportError as exc:
             raise BackendUnavailable(
                 f"cannot reach the daemon at {self.url}: {exc}", backend="daemon", host=self.url

@@ -28,6 +28,16 @@ Two audiences, kept apart:
     │   ├── ResourceUnavailable      no worker has the resources a call needs
     │   └── PayloadLost              a result kept by reference was released or lost
     ├── ToolFailed                   a Python tool raised (its type, message, HTTP status)
+    ├── DaemonError                  the daemon refused a request (status: its HTTP status)
+    │   ├── Unauthorized             401: no bearer token, or a wrong one
+    │   ├── NotFound                 404: no such route or session
+    │   ├── MethodNotAllowed         405
+    │   ├── IdempotencyConflict      409: an Idempotency-Key reused with another request
+    │   ├── RequestTooLarge          413: the body or one call's arguments are over the limit
+    │   ├── InvalidRequest           422: the body is not JSON or does not match the route
+    │   ├── RateLimited              429: too many requests in flight for this token
+    │   ├── TooManySessions          429: too many open sessions for this token
+    │   └── ServiceUnavailable       503: the daemon is shutting down or not ready
     └── RolloutError                 the rollout layer failed (not one tool call)
         ├── PolicyError              the policy server failed or answered unusably (status)
         ├── NonFiniteLogprobs        NaN/inf logprobs under the "fail" policy
@@ -54,22 +64,32 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "ConfigError",
+    "DaemonError",
+    "IdempotencyConflict",
+    "InvalidRequest",
     "LeaseError",
     "LedgerError",
+    "MethodNotAllowed",
     "ModelFacingError",
     "NonFiniteLogprobs",
+    "NotFound",
     "PathOutsideWorkspace",
     "PayloadLost",
     "PolicyError",
     "PoolClosed",
     "PoolError",
+    "RateLimited",
+    "RequestTooLarge",
     "ResourceUnavailable",
     "RolloutError",
     "SchemaError",
     "SchemaRefError",
+    "ServiceUnavailable",
+    "TooManySessions",
     "ToolArgumentError",
     "ToolFailed",
     "ToolTimeout",
+    "Unauthorized",
     "UnknownToolError",
     "WorkerLost",
 ]
@@ -473,3 +493,119 @@ class LedgerError(RolloutError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class DaemonError(AgentBackendError):
+    """The daemon refused a request; ``status`` is the HTTP status it answered with.
+
+    The client raises these (rebuilt from the daemon's error body), and the
+    daemon's middlewares answer with them before a route runs.
+    """
+
+    default_status = 400
+    status: int
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status if status is not None else self.default_status
+
+
+class Unauthorized(DaemonError):
+    """No bearer token, or not the daemon's (401)."""
+
+    default_status = 401
+
+
+class NotFound(DaemonError):
+    """No such route, or no such session for this token (404)."""
+
+    default_status = 404
+
+
+class MethodNotAllowed(DaemonError):
+    """The route does not take this method (405)."""
+
+    default_status = 405
+
+
+class IdempotencyConflict(DaemonError):
+    """An ``Idempotency-Key`` was reused for a different request (409)."""
+
+    default_status = 409
+    key: str
+
+    def __init__(self, message: str, *, key: str = "", status: int | None = None) -> None:
+        super().__init__(message, status=status)
+        self.key = key
+
+
+class RequestTooLarge(DaemonError):
+    """The request body, or one call's arguments, is larger than the daemon accepts (413)."""
+
+    default_status = 413
+    limit: int
+    what: str
+
+    def __init__(
+        self, message: str, *, limit: int = 0, what: str = "body", status: int | None = None
+    ) -> None:
+        super().__init__(message, status=status)
+        self.limit = limit
+        self.what = what
+
+
+class InvalidRequest(DaemonError):
+    """The body is not JSON, or does not match the route's schema (422).
+
+    ``issues`` are ``{"loc": [...], "msg": "..."}`` entries, one per problem.
+    """
+
+    default_status = 422
+    issues: tuple[dict[str, Any], ...]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        issues: Sequence[dict[str, Any]] = (),
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message, status=status)
+        self.issues = tuple(issues)
+
+
+class RateLimited(DaemonError):
+    """Too many requests in flight for this token (429); try again after ``retry_after`` s."""
+
+    default_status = 429
+    retry_after: float
+    limit: int
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        retry_after: float = 1.0,
+        limit: int = 0,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message, status=status)
+        self.retry_after = retry_after
+        self.limit = limit
+
+
+class TooManySessions(DaemonError):
+    """This token has as many sessions open as the daemon allows; close one first (429)."""
+
+    default_status = 429
+    limit: int
+
+    def __init__(self, message: str, *, limit: int = 0, status: int | None = None) -> None:
+        super().__init__(message, status=status)
+        self.limit = limit
+
+
+class ServiceUnavailable(DaemonError):
+    """The daemon is shutting down, or its pool is not ready (503)."""
+
+    default_status = 503

@@ -8,19 +8,8 @@ client rebuilds the same exception class from that name, looked up in the
 project's own registry; it never imports anything a server names.
 
 The daemon's own refusals (401, 409, 413, 429, ...) are errors of the one
-tree too (:class:`DaemonError` and its subclasses)::
-
-    AgentBackendError
-    └── DaemonError                  the daemon refused a request (``status``: the HTTP status)
-        ├── Unauthorized             401: no bearer token, or a wrong one
-        ├── NotFound                 404: no such route or session
-        ├── MethodNotAllowed         405
-        ├── IdempotencyConflict      409: an Idempotency-Key reused with another request
-        ├── RequestTooLarge          413: the body or one call's arguments are over the limit
-        ├── InvalidRequest           422: the body is not JSON or does not match the route
-        ├── RateLimited              429: too many requests in flight for this token
-        ├── TooManySessions          429: too many open sessions for this token
-        └── ServiceUnavailable       503: the daemon is shutting down or not ready
+tree (:class:`~agent_backend.errors.DaemonError` and its subclasses, in
+:mod:`agent_backend.errors`); they are re-exported here, where they were first.
 
 This module must never do I/O and never import a web framework: the client
 imports it.
@@ -31,13 +20,27 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import pydantic
 
 from agent_backend import errors
 from agent_backend.dispatch import ToolResult
-from agent_backend.errors import AgentBackendError, ArgumentIssue, clip
+from agent_backend.errors import (
+    AgentBackendError,
+    ArgumentIssue,
+    DaemonError,
+    IdempotencyConflict,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    RateLimited,
+    RequestTooLarge,
+    ServiceUnavailable,
+    TooManySessions,
+    Unauthorized,
+    clip,
+)
 
 __all__ = [
     "API_PREFIX",
@@ -78,133 +81,7 @@ _MESSAGE_LIMIT = 4096
 _FIELD_LIMIT = 2048
 
 
-# -- the daemon's refusals --------------------------------------------------------------------------
-
-
-class DaemonError(AgentBackendError):
-    """The daemon refused a request; ``status`` is the HTTP status it answered with."""
-
-    default_status: ClassVar[int] = 400
-    status: int
-
-    def __init__(self, message: str, *, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status if status is not None else self.default_status
-
-
-class Unauthorized(DaemonError):
-    """No bearer token, or not the daemon's (401)."""
-
-    default_status = 401
-
-
-class NotFound(DaemonError):
-    """No such route, or no such session for this token (404)."""
-
-    default_status = 404
-
-
-class MethodNotAllowed(DaemonError):
-    default_status = 405
-
-
-class IdempotencyConflict(DaemonError):
-    """An ``Idempotency-Key`` was reused for a different request (409)."""
-
-    default_status = 409
-    key: str
-
-    def __init__(self, message: str, *, key: str = "", status: int | None = None) -> None:
-        super().__init__(message, status=status)
-        self.key = key
-
-
-class RequestTooLarge(DaemonError):
-    """The request body, or one call's arguments, is larger than the daemon accepts (413)."""
-
-    default_status = 413
-    limit: int
-    what: str
-
-    def __init__(
-        self, message: str, *, limit: int = 0, what: str = "body", status: int | None = None
-    ) -> None:
-        super().__init__(message, status=status)
-        self.limit = limit
-        self.what = what
-
-
-class InvalidRequest(DaemonError):
-    """The body is not JSON, or does not match the route's schema (422).
-
-    ``issues`` are ``{"loc": [...], "msg": "..."}`` entries, one per problem.
-    """
-
-    default_status = 422
-    issues: tuple[dict[str, Any], ...]
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        issues: tuple[dict[str, Any], ...] | list[dict[str, Any]] = (),
-        status: int | None = None,
-    ) -> None:
-        super().__init__(message, status=status)
-        self.issues = tuple(issues)
-
-
-class RateLimited(DaemonError):
-    """Too many requests in flight for this token (429); try again after ``retry_after`` s."""
-
-    default_status = 429
-    retry_after: float
-    limit: int
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        retry_after: float = 1.0,
-        limit: int = 0,
-        status: int | None = None,
-    ) -> None:
-        super().__init__(message, status=status)
-        self.retry_after = retry_after
-        self.limit = limit
-
-
-class TooManySessions(DaemonError):
-    """This token has as many sessions open as the daemon allows; close one first (429)."""
-
-    default_status = 429
-    limit: int
-
-    def __init__(self, message: str, *, limit: int = 0, status: int | None = None) -> None:
-        super().__init__(message, status=status)
-        self.limit = limit
-
-
-class ServiceUnavailable(DaemonError):
-    """The daemon is shutting down, or its pool is not ready (503)."""
-
-    default_status = 503
-
-
 # -- the registry the client maps names back through --------------------------------------------------
-
-_DAEMON_ERRORS: tuple[type[AgentBackendError], ...] = (
-    DaemonError,
-    Unauthorized,
-    NotFound,
-    MethodNotAllowed,
-    IdempotencyConflict,
-    RequestTooLarge,
-    InvalidRequest,
-    RateLimited,
-    TooManySessions,
-    ServiceUnavailable,
-)
 
 
 def error_registry() -> dict[str, type[AgentBackendError]]:
@@ -214,8 +91,6 @@ def error_registry() -> dict[str, type[AgentBackendError]]:
         cls = getattr(errors, name)
         if isinstance(cls, type) and issubclass(cls, AgentBackendError):
             found[name] = cls
-    for cls in _DAEMON_ERRORS:
-        found[cls.__name__] = cls
     return found
 
 

@@ -3,11 +3,19 @@
 Run: ``.venv/bin/python bench/daemon_bench.py`` (``--quick`` for a short run).
 
 The tool is a Python function that returns its input, so what is measured is
-the daemon (HTTP, auth, limits, JSON, routing) and not a subprocess. The
-daemon runs in a child process (``agent-backend``'s own server code, on the
-embedded local pool) so that it and the load generator each have a core, as
-they would on a tool host and a rollout worker. Each concurrent client is
-its own httpx ``AsyncClient`` with one keep-alive connection.
+the daemon (HTTP, auth, limits, idempotency, JSON, routing) and not a
+subprocess. The daemon runs in a child process (``agent-backend``'s own
+server code, on the embedded local pool) so that it and the load generator
+each have a core, as they would on a tool host and a rollout worker.
+
+The ``daemon`` rows are what a user's code does: each concurrent client is
+its own :class:`agent_backend.Client` (httpx, over the client's
+:class:`~agent_backend.http11.HTTP11Transport`) with one keep-alive
+connection, calling ``client.call(...)`` (an ``Idempotency-Key`` on every
+call, the answer parsed into a ``ToolResult``; no retries, so every failure
+counts as an error). For reference, not as figures: the same calls from an
+``httpx.AsyncClient`` on httpx's default transport (httpcore and h11), and
+from a minimal hand-written HTTP/1.1 client ("raw client").
 
 Figures to reach (issue 5), printed as PASS/FAIL:
 * at 1 client, the daemon's p50 latency is within 1 ms of the in-process call;
@@ -31,8 +39,10 @@ import anyio.streams.buffered
 import httpx
 import orjson
 
+from agent_backend.client import Client
 from agent_backend.daemon import DaemonServer, DaemonSettings
 from agent_backend.dispatch import Dispatcher
+from agent_backend.errors import AgentBackendError
 from agent_backend.pool import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
 
@@ -159,9 +169,38 @@ async def in_process(
 async def through_daemon(
     url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
 ) -> Run:
-    # One client per concurrent caller, each with its own keep-alive connection, as
-    # rollout workers would have. (One httpx client with many connections spends
-    # milliseconds per request scanning its pool: httpcore's pool is O(connections).)
+    """agent_backend.Client, one per concurrent caller, each with one keep-alive connection."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [
+            await stack.enter_async_context(Client(url, token=TOKEN, max_connections=1, retries=0))
+            for _ in range(concurrency)
+        ]
+        per_client = max(1, total // concurrency)
+
+        async def one(i: int) -> bool:
+            try:
+                result = await clients[(i // per_client) % concurrency].call((tool, arguments))
+            except AgentBackendError:
+                return False
+            return result.ok
+
+        global SERVER_PID
+        SERVER_PID = SERVER.pid if SERVER is not None else 0
+        try:
+            return await load(concurrency, total, one, warmup=200)
+        finally:
+            SERVER_PID = 0
+
+
+async def through_httpx(
+    url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
+) -> Run:
+    """httpx.AsyncClient on httpx's default transport (httpcore, h11), for reference.
+
+    One client per concurrent caller, each with its own keep-alive connection. (One
+    httpx client with many connections spends milliseconds per request scanning its
+    pool: httpcore's pool is O(connections).)
+    """
     headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
     body = orjson.dumps({"name": tool, "arguments": arguments})
@@ -192,8 +231,7 @@ async def through_daemon_raw(
     """The same calls from a minimal HTTP/1.1 keep-alive client (anyio streams, no httpx).
 
     Not one of the issue's figures: it shows how much of the time is the daemon's
-    and how much the load generator's (httpx spends about a millisecond of CPU per
-    request on this machine).
+    and how much the load generator's.
     """
     host, port = url.removeprefix("http://").rsplit(":", 1)
     body = orjson.dumps({"name": tool, "arguments": arguments})
@@ -249,8 +287,9 @@ async def main(quick: bool) -> int:
         scale = 0.25 if quick else 1.0
         print(f"daemon {url} (child pid {child.pid}); tool: echo (async Python function)")
         print(f"{os.cpu_count()} cores; load average at start: {os.getloadavg()[0]:.2f}")
+        print("daemon: agent_backend.Client, one keep-alive connection per concurrent client")
         print("cpu/call: ms of CPU per call in this process (clients; in-process: everything)")
-        print("daemon: ms of CPU per call in the daemon's process")
+        print("daemon (last column): ms of CPU per call in the daemon's process")
         print(
             f"{'':<22} {'calls/s':>9} {'p50 ms':>9} {'p99 ms':>9} {'errors':>7}"
             f" {'cpu/call':>9} {'daemon':>9}"
@@ -259,23 +298,27 @@ async def main(quick: bool) -> int:
             total = int((3000 if concurrency == 1 else 12000) * scale)
             local = await in_process("echo", echo, concurrency, total)
             remote = await through_daemon(url, "echo", echo, concurrency, total)
+            plain = await through_httpx(url, "echo", echo, concurrency, total)
             raw = await through_daemon_raw(url, "echo", echo, concurrency, total)
             print(row(f"in-process  x{concurrency}", local))
             print(row(f"daemon      x{concurrency}", remote))
+            print(row(f"  (httpx default x{concurrency})", plain))
             print(row(f"  (raw client x{concurrency})", raw))
             print(
                 f"{'':<22} daemon/in-process: {remote.rate / local.rate:.3f}x throughput,"
                 f" +{remote.pct(0.5) - local.pct(0.5):.3f} ms p50"
             )
             if concurrency == 1:
-                notes.append(
-                    f"INFO  raw client, 1 client: p50 +{raw.pct(0.5) - local.pct(0.5):.3f} ms"
-                    " over in-process"
-                )
+                for name, run in (("httpx default transport", plain), ("raw client", raw)):
+                    notes.append(
+                        f"INFO  {name}, 1 client: p50 +{run.pct(0.5) - local.pct(0.5):.3f} ms"
+                        " over in-process"
+                    )
             if concurrency == 16:
-                notes.append(
-                    f"INFO  raw client, 16 clients: {raw.rate:,.0f} calls/s, {raw.errors} errors"
-                )
+                for name, run in (("httpx default transport", plain), ("raw client", raw)):
+                    notes.append(
+                        f"INFO  {name}, 16 clients: {run.rate:,.0f} calls/s, {run.errors} errors"
+                    )
             if concurrency == 1:
                 overhead = remote.pct(0.5) - local.pct(0.5)
                 verdicts.append(

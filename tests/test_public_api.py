@@ -57,6 +57,18 @@ ERROR_SAMPLES = [
     errors.PolicyError("no logprobs", status=200, url="http://127.0.0.1:1/v1", retryable=False),
     errors.NonFiniteLogprobs("nan at 3", positions=[3, 7]),
     errors.LedgerError("torn checkpoint", path="ledger.json"),
+    errors.DaemonError("HTTP 418 without an error body", status=418),
+    errors.Unauthorized("missing or wrong bearer token"),
+    errors.NotFound("no route /v2/call"),
+    errors.MethodNotAllowed("PUT is not allowed on /v1/call", status=405),
+    errors.IdempotencyConflict("key reused for another request", key="job-42-call-7"),
+    errors.RequestTooLarge("arguments over the limit", limit=262144, what="arguments"),
+    errors.InvalidRequest(
+        "body.name: Field required", issues=[{"loc": ["body", "name"], "msg": "Field required"}]
+    ),
+    errors.RateLimited("128 requests in flight", retry_after=2.0, limit=128),
+    errors.TooManySessions("64 sessions open", limit=64),
+    errors.ServiceUnavailable("the daemon is shutting down"),
 ]
 
 

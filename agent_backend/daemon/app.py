@@ -57,7 +57,7 @@ from agent_backend.daemon.metrics import CONTENT_TYPE, Metrics
 from agent_backend.daemon.sessions import SessionTable
 from agent_backend.daemon.settings import DaemonSettings
 from agent_backend.dispatch import Dispatcher, Session, ToolResult
-from agent_backend.errors import AgentBackendError
+from agent_backend.errors import AgentBackendError, InvalidRequest, RequestTooLarge
 from agent_backend.tools import ToolCall
 from agent_backend.wire import (
     API_PREFIX,
@@ -65,10 +65,8 @@ from agent_backend.wire import (
     BatchResponse,
     CallRequest,
     ErrorBody,
-    InvalidRequest,
     Liveness,
     Readiness,
-    RequestTooLarge,
     SessionInfo,
     ToolsResponse,
     WireCall,

@@ -18,7 +18,8 @@ from typing import Final
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agent_backend.daemon.errors import send_error
-from agent_backend.wire import API_PREFIX, Unauthorized
+from agent_backend.errors import Unauthorized
+from agent_backend.wire import API_PREFIX
 
 __all__ = ["OPEN_PATHS", "PRINCIPAL_KEY", "BearerAuth", "principal_of"]
 

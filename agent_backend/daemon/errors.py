@@ -29,23 +29,20 @@ from agent_backend.errors import (
     BackendError,
     BackendUnavailable,
     ConfigError,
+    DaemonError,
+    InvalidRequest,
+    MethodNotAllowed,
     ModelFacingError,
+    NotFound,
     PoolClosed,
+    RateLimited,
     ResourceUnavailable,
     SchemaError,
     ToolFailed,
     ToolTimeout,
     clip,
 )
-from agent_backend.wire import (
-    DaemonError,
-    ErrorBody,
-    InvalidRequest,
-    MethodNotAllowed,
-    NotFound,
-    RateLimited,
-    error_to_wire,
-)
+from agent_backend.wire import ErrorBody, error_to_wire
 
 __all__ = [
     "error_body",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,7 +37,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from agent_backend.daemon.auth import PRINCIPAL_KEY
 from agent_backend.daemon.errors import send_error
 from agent_backend.daemon.limits import BODY_KEY
-from agent_backend.wire import API_PREFIX, IdempotencyConflict, InvalidRequest
+from agent_backend.errors import IdempotencyConflict, InvalidRequest
+from agent_backend.wire import API_PREFIX
 
 __all__ = ["Idempotency", "IdempotencyStatistics", "IdempotencyStore", "StoredResponse"]
 
@@ -45,6 +47,7 @@ logger = logging.getLogger("agent_backend.daemon")
 _HEADER: Final = b"idempotency-key"
 _REPLAYED: Final = (b"idempotent-replayed", b"true")
 _MAX_KEY = 255
+_VALID_KEY: Final = re.compile(rb"[\x21-\x7e]{1,%d}" % _MAX_KEY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,10 +55,12 @@ class StoredResponse:
     status: int
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
+    size: int = dataclasses.field(init=False, compare=False)
+    """Bytes it holds, as counted against the store's bound."""
 
-    @property
-    def size(self) -> int:
-        return len(self.body) + sum(len(k) + len(v) for k, v in self.headers) + 64
+    def __post_init__(self) -> None:
+        size = len(self.body) + sum(len(k) + len(v) for k, v in self.headers) + 64
+        object.__setattr__(self, "size", size)
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -200,7 +205,7 @@ class Idempotency:
         if raw_key is None:
             await self.app(scope, receive, send)
             return
-        if not 0 < len(raw_key) <= _MAX_KEY or not all(0x21 <= c <= 0x7E for c in raw_key):
+        if not _VALID_KEY.fullmatch(raw_key):
             await send_error(
                 send,
                 InvalidRequest(

@@ -25,7 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_backend.daemon.auth import PRINCIPAL_KEY
 from agent_backend.daemon.errors import send_error
-from agent_backend.wire import API_PREFIX, RateLimited, RequestTooLarge, ServiceUnavailable
+from agent_backend.errors import RateLimited, RequestTooLarge, ServiceUnavailable
+from agent_backend.wire import API_PREFIX
 
 __all__ = ["BODY_KEY", "UNLIMITED_PATHS", "BodyLimit", "ConcurrencyLimit", "InFlight"]
 

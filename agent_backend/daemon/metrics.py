@@ -159,15 +159,26 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_StateCollector(dispatcher, extra or dict))
+        # The labelled series of each (tool, ok) pair: ``labels()`` takes a lock and
+        # builds a key on every call, and every call ends here. Bounded by the tools.
+        self._series: dict[tuple[str, bool], tuple[Any, Any]] = {}
 
     def _tool(self, name: str) -> str:
         registry = self.dispatcher.registry
         return name if name in registry else _UNKNOWN
 
     def observe(self, result: ToolResult) -> None:
-        tool = self._tool(result.tool)
-        self.calls.labels(self.backend, tool, "ok" if result.ok else "error").inc()
-        self.latency.labels(self.backend, tool).observe(result.duration)
+        series = self._series.get((result.tool, result.ok))
+        if series is None:
+            tool = self._tool(result.tool)
+            series = (
+                self.calls.labels(self.backend, tool, "ok" if result.ok else "error"),
+                self.latency.labels(self.backend, tool),
+            )
+            if tool != _UNKNOWN:
+                self._series[(result.tool, result.ok)] = series
+        series[0].inc()
+        series[1].observe(result.duration)
         if not result.ok:
             self.errors.labels(self.backend, result.error_type or "error").inc()
 

@@ -14,8 +14,7 @@ import dataclasses
 import anyio
 
 from agent_backend.dispatch import Dispatcher, Session
-from agent_backend.errors import PoolClosed
-from agent_backend.wire import NotFound, TooManySessions
+from agent_backend.errors import NotFound, PoolClosed, TooManySessions
 
 __all__ = ["SessionTable"]
 

@@ -165,7 +165,9 @@ async def overhead(pool: RayBackend, calls: int) -> dict[str, float]:
                 elif side == "pool":
                     assert (await pool.call("small", {"x": i})).value == i + 1
                 else:
-                    result = await dispatcher.call(ToolCall(f"c{i}", "small", f'{{"x": {i}}}', "openai"))
+                    result = await dispatcher.call(
+                        ToolCall(f"c{i}", "small", f'{{"x": {i}}}', "openai")
+                    )
                     assert result.value == i + 1, result
                 times[side].append(time.perf_counter() - t0)
 

@@ -33,7 +33,6 @@ import os
 import random
 import uuid
 from collections.abc import Iterable, Mapping
-from types import TracebackType
 from typing import Any, Final, Literal, Self
 
 import anyio
@@ -44,6 +43,7 @@ import orjson
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
 from agent_backend.http11 import HTTP11Transport
+from agent_backend.lifecycle import AsyncResource, SyncResource
 from agent_backend.tokens import find_token
 from agent_backend.wire import (
     API_PREFIX,
@@ -129,7 +129,7 @@ def _retry_after(response: httpx.Response) -> float | None:
     return seconds if 0 <= seconds <= _MAX_RETRY_AFTER else None
 
 
-class Client:
+class Client(AsyncResource):
     """The daemon's API as the :class:`Dispatcher`'s: ``call``, ``call_many``, ``session()``.
 
     ``url`` defaults to ``$AGENT_BACKEND_URL`` or ``http://127.0.0.1:8765``;
@@ -200,17 +200,6 @@ class Client:
 
     def __repr__(self) -> str:
         return f"<Client {self.url}{' closed' if self._closed else ''}>"
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the connection pool; idempotent."""
@@ -347,7 +336,7 @@ class Client:
         raise self._error(response)
 
 
-class RemoteSession:
+class RemoteSession(AsyncResource):
     """A session on the daemon; the same calls as :class:`~agent_backend.dispatch.Session`."""
 
     id: str
@@ -379,14 +368,6 @@ class RemoteSession:
     async def __aenter__(self) -> Self:
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def open(self) -> None:
         if self._state != "new":
@@ -431,7 +412,7 @@ class RemoteSession:
         )
 
 
-class SyncClient:
+class SyncClient(SyncResource):
     """:class:`Client` for code without an event loop; its loop runs on a private thread.
 
     ``with SyncClient(url) as client: client.call(("exec", {"command": "ls"}))``.
@@ -449,17 +430,6 @@ class SyncClient:
 
     def __repr__(self) -> str:
         return f"<SyncClient {self.client.url}{' closed' if self._closed else ''}>"
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close the connections and stop the private thread; idempotent."""
@@ -513,7 +483,7 @@ class SyncClient:
         return self._portal.call(self.client.ready)
 
 
-class SyncSession:
+class SyncSession(SyncResource):
     """A :class:`RemoteSession` for :class:`SyncClient`."""
 
     def __init__(self, owner: SyncClient) -> None:
@@ -530,14 +500,6 @@ class SyncSession:
     def __enter__(self) -> Self:
         self.open()
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def open(self) -> None:
         self.owner._portal.call(self.remote.open)

@@ -53,6 +53,7 @@ from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contain
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
+    connect,
     describe_cause,
     kill_actors,
 )
@@ -485,16 +486,8 @@ class RayBackend(Backend):
         self._state = "open"
 
     def _connect(self) -> None:
-        """Join or start Ray (blocking: runs in a worker thread)."""
-        try:
-            self._owns_ray = CONNECTION.open(self.config)
-        except Exception as exc:
-            where = self.config.address or "a local Ray"
-            raise BackendUnavailable(
-                f"cannot connect to {where}: {describe_cause(exc)}",
-                backend="ray",
-                host=self.config.address,
-            ) from None
+        """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
+        self._owns_ray = connect(self.config)
 
     def _check_cluster(self, total: Mapping[str, float]) -> None:
         """Refuse, at start, actors that the whole cluster could never hold."""

@@ -18,7 +18,7 @@ from typing import Any, Final, Protocol
 import ray
 import ray.exceptions
 
-from agent_backend.errors import clip
+from agent_backend.errors import BackendUnavailable, clip
 
 __all__ = [
     "ACTOR_DEATHS",
@@ -26,6 +26,7 @@ __all__ = [
     "CONNECTION",
     "ConnectConfig",
     "RayConnection",
+    "connect",
     "describe_cause",
     "kill_actors",
     "loopback_only",
@@ -152,3 +153,20 @@ def kill_actors(handles: Sequence[Any]) -> None:
     for handle in handles:
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)
+
+
+def connect(config: ConnectConfig) -> bool:
+    """Join or start Ray, or use this process's connection (blocking: call it in a worker thread).
+
+    True when the caller must ``CONNECTION.close()`` when done; a failure is
+    :class:`~agent_backend.errors.BackendUnavailable` naming where.
+    """
+    try:
+        return CONNECTION.open(config)
+    except Exception as exc:
+        where = config.address or "a local Ray"
+        raise BackendUnavailable(
+            f"cannot connect to {where}: {describe_cause(exc)}",
+            backend="ray",
+            host=config.address,
+        ) from None

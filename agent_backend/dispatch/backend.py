@@ -31,10 +31,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 from collections.abc import Mapping, Sequence
-from types import TracebackType
 from typing import Any, ClassVar, Literal, Self
 
 from agent_backend.errors import BackendUnavailable
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.tools import Tool
 
 __all__ = [
@@ -175,7 +175,7 @@ class Host(abc.ABC):
         return True
 
 
-class Backend(abc.ABC):
+class Backend(AsyncResource):
     """A set of hosts of one kind, opened and closed together (``async with``)."""
 
     kind: ClassVar[str]
@@ -187,14 +187,6 @@ class Backend(abc.ABC):
             await self.aclose()
             raise
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     @abc.abstractmethod
     async def start(self) -> None:

@@ -70,6 +70,7 @@ from agent_backend.errors import (
     ToolTimeout,
     clip,
 )
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.tools import Tool, ToolCall, ToolRegistry
 
 __all__ = ["CallLike", "Dispatcher", "DispatcherStatistics", "Session", "as_tool_call"]
@@ -635,7 +636,7 @@ async def _gather(jobs: Sequence[Callable[[], Awaitable[ToolResult]]]) -> list[T
     return [result for result in results if result is not None]
 
 
-class Session:
+class Session(AsyncResource):
     """A private workspace on one host; every call of the session runs there.
 
     ``async with dispatcher.session() as session``: the workspace is made on
@@ -681,14 +682,6 @@ class Session:
     async def __aenter__(self) -> Self:
         await self.open()
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def open(self) -> None:
         """Make the workspace and register the session for reaping."""

@@ -51,14 +51,14 @@ import json
 import random
 import time
 from collections.abc import Mapping, Sequence
-from types import TracebackType
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import httpx
 import orjson
 
 from agent_backend.errors import PolicyError, clip
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
 from agent_backend.tools import ToolCall
 from agent_backend.tools.calls import from_hermes, parse_tool_calls
@@ -169,7 +169,7 @@ def _ids(value: object) -> list[int] | None:
     return None
 
 
-class OpenAICompatiblePolicy:
+class OpenAICompatiblePolicy(AsyncResource):
     """A policy served by vLLM or SGLang behind ``/v1/chat/completions``.
 
     ``async with OpenAICompatiblePolicy(url, model=...) as policy``; or use it
@@ -269,17 +269,6 @@ class OpenAICompatiblePolicy:
             failures=self._failures,
             seconds=self._seconds,
         )
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Close the HTTP client (when it is ours); idempotent."""

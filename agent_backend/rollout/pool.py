@@ -54,7 +54,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Self, TypeVar, overload
 
 import anyio
@@ -64,6 +63,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import RolloutError
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.rollout.episode import (
     EpisodeConfig,
     EpisodeIds,
@@ -249,7 +249,7 @@ class _Run:
             raise first
 
 
-class RolloutPool:
+class RolloutPool(AsyncResource):
     """Runs GRPO groups of episodes concurrently and delivers them (module docstring).
 
     ``policy`` samples turns, ``dispatcher`` (open) runs the tools, one session
@@ -411,17 +411,6 @@ class RolloutPool:
             f" {self._failed} failed | groups: {self._delivered} delivered,"
             f" {self._dropped} dropped] version={self._version}{state}>"
         )
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
 
     async def aclose(self) -> None:
         """Refuse new runs; idempotent. (Runs end with their own ``run``/``stream`` scope.)"""

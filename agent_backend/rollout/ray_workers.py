@@ -39,7 +39,6 @@ import functools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Final, Literal, Self
 
 import anyio
@@ -52,6 +51,7 @@ from agent_backend.backends.ray import RayPoolConfig
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
+    connect,
     describe_cause,
     kill_actors,
 )
@@ -66,6 +66,7 @@ from agent_backend.errors import (
     RolloutError,
     clip,
 )
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
@@ -264,7 +265,7 @@ class _Worker:
         )
 
 
-class RayRolloutWorkers:
+class RayRolloutWorkers(AsyncResource):
     """Rollout workers as Ray actors, for :class:`~agent_backend.rollout.pool.RolloutPool`
     (``workers=``): episodes scale out.
 
@@ -370,14 +371,6 @@ class RayRolloutWorkers:
         await self.start()
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     async def start(self) -> None:
         """Connect to Ray (or start a local one) and start every worker; wait until they run."""
         if self._state != "new":
@@ -412,15 +405,7 @@ class RayRolloutWorkers:
 
     def _connect(self) -> None:
         """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
-        try:
-            self._owns_ray = CONNECTION.open(self.config)
-        except Exception as exc:
-            where = self.config.address or "a local Ray"
-            raise BackendUnavailable(
-                f"cannot connect to {where}: {describe_cause(exc)}",
-                backend="ray",
-                host=self.config.address,
-            ) from None
+        self._owns_ray = connect(self.config)
 
     def _spawn(self, index: int, generation: int) -> _Worker:
         config = self.config

@@ -41,12 +41,12 @@ import importlib
 import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Final, Protocol, Self
+from typing import Any, Final, Protocol
 
 import orjson
 
 from agent_backend.errors import LedgerError
+from agent_backend.lifecycle import SyncResource
 from agent_backend.rollout.trajectory import Trajectory
 
 __all__ = [
@@ -90,7 +90,7 @@ def _encode(trajectory: Trajectory) -> bytes:
     return trajectory.model_dump_json().encode() + b"\n"
 
 
-class JsonlWriter:
+class JsonlWriter(SyncResource):
     """Append :class:`Trajectory` records to a JSON Lines file, one record per line."""
 
     def __init__(self, path: Path, fd: int, position: int) -> None:
@@ -215,17 +215,6 @@ class JsonlWriter:
             fd, self._fd = self._fd, None
             os.close(fd)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._fd is None else f"{len(self._buffer)} buffered"
         return f"<JsonlWriter path={str(self.path)!r} [position {self._position} | {state}]>"
@@ -319,7 +308,7 @@ def _from_row(row: dict[str, Any]) -> Trajectory:
     return Trajectory.model_validate(row)
 
 
-class ParquetWriter:
+class ParquetWriter(SyncResource):
     """Write :class:`Trajectory` records as a directory of Parquet part files (needs pyarrow).
 
     A Parquet file cannot be appended to and is unreadable until its footer
@@ -436,17 +425,6 @@ class ParquetWriter:
             self.flush()
         finally:
             self._closed = True
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self._buffer)} buffered"

@@ -33,7 +33,6 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import math
 import time
 import uuid
 import weakref
@@ -53,16 +52,18 @@ from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contain
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
+    actor_options,
     connect,
     describe_cause,
+    describe_when_ready,
     kill_actors,
+    render_resources,
 )
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,
     BackendError,
     BackendUnavailable,
-    ConfigError,
     PoolClosed,
     PoolError,
     ResourceUnavailable,
@@ -498,9 +499,9 @@ class RayBackend(Backend):
         short = {name for name, amount in needed.items() if total.get(name, 0.0) + 1e-9 < amount}
         if short:
             raise ResourceUnavailable(
-                f"pool {self.config.name!r} needs {_render(needed)} for {self.config.replicas} "
-                f"actor(s) of {_render(per_actor)}, but the cluster has "
-                f"{_render({name: total.get(name, 0.0) for name in sorted(needed)})} "
+                f"pool {self.config.name!r} needs {render_resources(needed)} for {self.config.replicas} "
+                f"actor(s) of {render_resources(per_actor)}, but the cluster has "
+                f"{render_resources({name: total.get(name, 0.0) for name in sorted(needed)})} "
                 "(set autoscaling = true if nodes are added on demand)",
                 needed=needed,
                 available={name: float(total.get(name, 0.0)) for name in needed},
@@ -511,18 +512,7 @@ class RayBackend(Backend):
         config = self.config
         name = f"{config.name}-{index}.{generation}"
         ray_name = f"agent_backend/{config.name}/{self._pool_id}/{index}.{generation}"
-        options: dict[str, Any] = {
-            "name": ray_name,
-            "num_cpus": config.num_cpus,
-            "num_gpus": config.num_gpus,
-            "max_concurrency": config.max_concurrency + _CONTROL_SLOTS,
-            "max_restarts": 0,  # replaced by the pool, which keeps serving meanwhile
-            "max_task_retries": 0,
-        }
-        if config.resources:
-            options["resources"] = dict(config.resources)
-        if config.runtime_env is not None:
-            options["runtime_env"] = config.runtime_env
+        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS)
         handle = (
             _actor_class()
             .options(**options)
@@ -536,28 +526,9 @@ class RayBackend(Backend):
 
     async def _await_ready(self, actor: _Actor) -> dict[str, Any]:
         """Wait for ``actor`` to have started and loaded its tools; its description."""
-        timeout = self.config.start_timeout
-        with anyio.move_on_after(timeout) as scope:
-            try:
-                info = await actor.handle.describe.remote()
-            except ray.exceptions.RuntimeEnvSetupError as exc:
-                raise ConfigError(
-                    f"actor {actor.name}: its runtime_env could not be set up: {describe_cause(exc)}",
-                    key="runtime_env",
-                    expected="a runtime_env Ray can set up on the cluster's nodes",
-                ) from None
-            except ray.exceptions.RayError as exc:
-                raise BackendUnavailable(
-                    f"actor {actor.name} did not start: {describe_cause(exc)}", backend="ray"
-                ) from None
-        if scope.cancelled_caught:
-            available = await anyio.to_thread.run_sync(ray.available_resources)
-            raise BackendUnavailable(
-                f"actor {actor.name} did not start within {timeout:g}s: it needs "
-                f"{_render(self.config.actor_resources())}; the cluster has "
-                f"{_render(available)} available now",
-                backend="ray",
-            )
+        info = await describe_when_ready(
+            actor.handle, label=f"actor {actor.name}", config=self.config
+        )
         if info["load_error"] is not None:
             raise info["load_error"]
         actor.pid, actor.node = info["pid"], info["node"]
@@ -742,8 +713,8 @@ class RayBackend(Backend):
         if all(held.get(res, 0.0) + 1e-9 >= amount for res, amount in needed.items()):
             return None
         return ResourceUnavailable(
-            f"tool {name!r} needs {_render(needed)}, but the actors of pool "
-            f"{self.config.name!r} each hold {_render(held)}",
+            f"tool {name!r} needs {render_resources(needed)}, but the actors of pool "
+            f"{self.config.name!r} each hold {render_resources(held)}",
             needed=needed,
             available=held,
             backend="ray",
@@ -873,15 +844,6 @@ class RayBackend(Backend):
                 await ref
         finally:
             self._release(actor)
-
-
-def _render(resources: Mapping[str, float]) -> str:
-    if not resources:
-        return "nothing"
-    return ", ".join(
-        f"{name}={int(amount) if math.isclose(amount, round(amount)) else amount:g}"
-        for name, amount in sorted(resources.items())
-    )
 
 
 @functools.cache

@@ -10,26 +10,33 @@ threads.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, Protocol
 
+import anyio
+import anyio.to_thread
 import ray
 import ray.exceptions
 
-from agent_backend.errors import BackendUnavailable, clip
+from agent_backend.errors import BackendUnavailable, ConfigError, clip
 
 __all__ = [
     "ACTOR_DEATHS",
     "CAUSE_LIMIT",
     "CONNECTION",
+    "ActorConfig",
     "ConnectConfig",
     "RayConnection",
+    "actor_options",
     "connect",
     "describe_cause",
+    "describe_when_ready",
     "kill_actors",
     "loopback_only",
+    "render_resources",
 ]
 
 #: The longest cause :func:`describe_cause` returns.
@@ -170,3 +177,85 @@ def connect(config: ConnectConfig) -> bool:
             backend="ray",
             host=config.address,
         ) from None
+
+
+class ActorConfig(Protocol):
+    """What placing an actor reads from a pool config (``RayPoolConfig``)."""
+
+    @property
+    def num_cpus(self) -> float: ...
+    @property
+    def num_gpus(self) -> float: ...
+    @property
+    def max_concurrency(self) -> int: ...
+    @property
+    def resources(self) -> Mapping[str, float]: ...
+    @property
+    def runtime_env(self) -> dict[str, Any] | None: ...
+    @property
+    def start_timeout(self) -> float: ...
+    def actor_resources(self) -> dict[str, float]: ...
+
+
+def actor_options(config: ActorConfig, ray_name: str, *, control_slots: int) -> dict[str, Any]:
+    """Ray ``.options()`` for one actor of ``config``: its reservation, concurrency, env.
+
+    ``control_slots`` are concurrency kept beyond ``max_concurrency`` for the
+    driver's own calls (describe, the death sentinel, close). Ray never
+    restarts the actor: its owner replaces it and keeps serving meanwhile.
+    """
+    options: dict[str, Any] = {
+        "name": ray_name,
+        "num_cpus": config.num_cpus,
+        "num_gpus": config.num_gpus,
+        "max_concurrency": config.max_concurrency + control_slots,
+        "max_restarts": 0,
+        "max_task_retries": 0,
+    }
+    if config.resources:
+        options["resources"] = dict(config.resources)
+    if config.runtime_env is not None:
+        options["runtime_env"] = config.runtime_env
+    return options
+
+
+async def describe_when_ready(handle: Any, *, label: str, config: ActorConfig) -> Any:
+    """Await ``handle.describe`` (the actor has started and loaded its code), bounded.
+
+    ``label`` names the actor in errors: a runtime_env that cannot be set up
+    is a :class:`ConfigError`; an actor that fails or does not start within
+    ``config.start_timeout`` is :class:`BackendUnavailable`, saying what it
+    needs and what the cluster has free.
+    """
+    timeout = config.start_timeout
+    with anyio.move_on_after(timeout) as scope:
+        try:
+            return await handle.describe.remote()
+        except ray.exceptions.RuntimeEnvSetupError as exc:
+            raise ConfigError(
+                f"{label}: its runtime_env could not be set up: {describe_cause(exc)}",
+                key="runtime_env",
+                expected="a runtime_env Ray can set up on the cluster's nodes",
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise BackendUnavailable(
+                f"{label} did not start: {describe_cause(exc)}", backend="ray"
+            ) from None
+    assert scope.cancelled_caught
+    available = await anyio.to_thread.run_sync(ray.available_resources)
+    raise BackendUnavailable(
+        f"{label} did not start within {timeout:g}s: it needs "
+        f"{render_resources(config.actor_resources())}; the cluster has "
+        f"{render_resources(available)} available now",
+        backend="ray",
+    )
+
+
+def render_resources(resources: Mapping[str, float]) -> str:
+    """``CPU=1, GPU=0.5`` (sorted; whole numbers without a fraction), or ``nothing``."""
+    if not resources:
+        return "nothing"
+    return ", ".join(
+        f"{name}={int(amount) if math.isclose(amount, round(amount)) else amount:g}"
+        for name, amount in sorted(resources.items())
+    )

@@ -51,15 +51,16 @@ from agent_backend.backends.ray import RayPoolConfig
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
+    actor_options,
     connect,
     describe_cause,
+    describe_when_ready,
     kill_actors,
 )
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
     AgentBackendError,
     BackendUnavailable,
-    ConfigError,
     NonFiniteLogprobs,
     PoolClosed,
     PoolError,
@@ -413,18 +414,7 @@ class RayRolloutWorkers(AsyncResource):
         # carry (extras["worker"]), stays what it was before workers were replaced.
         name = f"{config.name}-rollout-{index}" + (f".{generation}" if generation else "")
         ray_name = f"agent_backend/rollout/{config.name}/{self._token}/{index}.{generation}"
-        options: dict[str, Any] = {
-            "name": ray_name,
-            "num_cpus": config.num_cpus,
-            "num_gpus": config.num_gpus,
-            "max_concurrency": config.max_concurrency + _CONTROL_SLOTS,
-            "max_restarts": 0,  # replaced by the driver, which keeps serving meanwhile
-            "max_task_retries": 0,
-        }
-        if config.resources:
-            options["resources"] = dict(config.resources)
-        if config.runtime_env is not None:
-            options["runtime_env"] = config.runtime_env
+        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS)
         functions = [(tool.function, tool.name) for tool in config.tools]
         handle = (
             _worker_class()
@@ -446,28 +436,9 @@ class RayRolloutWorkers(AsyncResource):
 
     async def _await_ready(self, worker: _Worker) -> None:
         """Wait (at most ``start_timeout``) for ``worker``'s actor to run."""
-        timeout = self.config.start_timeout
-        with anyio.move_on_after(timeout) as scope:
-            try:
-                await worker.handle.describe.remote()
-            except ray.exceptions.RuntimeEnvSetupError as exc:
-                raise ConfigError(
-                    f"rollout worker {worker.name}: its runtime_env could not be set up: "
-                    f"{describe_cause(exc)}",
-                    key="runtime_env",
-                    expected="a runtime_env Ray can set up on the cluster's nodes",
-                ) from None
-            except ray.exceptions.RayError as exc:
-                raise BackendUnavailable(
-                    f"rollout worker {worker.name} did not start: {describe_cause(exc)}",
-                    backend="ray",
-                ) from None
-        if scope.cancelled_caught:
-            raise BackendUnavailable(
-                f"rollout worker {worker.name} did not start within {timeout:g} s "
-                f"(it reserves {self.config.actor_resources() or 'nothing'})",
-                backend="ray",
-            )
+        await describe_when_ready(
+            worker.handle, label=f"rollout worker {worker.name}", config=self.config
+        )
 
     async def aclose(self) -> None:
         """Close every worker (sessions, policy clients), kill the actors; idempotent."""

@@ -374,6 +374,7 @@ def test_tool_name_in_message() -> None:
 
 
 def test_compiled_once_and_reused() -> None:
+    """A schema is compiled on first use and reused, never per call (PITFALLS 8)."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     from agent_backend.schema import prepare as prepare_module
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray
+from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, wait_for
 
 ray = require_ray()
 
@@ -23,7 +24,7 @@ from agent_backend.backends.ray_payload import PayloadRef, checksum  # noqa: E40
 from agent_backend.daemon import DaemonSettings  # noqa: E402
 from agent_backend.daemon.background import run_in_thread  # noqa: E402
 from agent_backend.dispatch import builtin_tools  # noqa: E402
-from agent_backend.errors import ConfigError, PoolError  # noqa: E402
+from agent_backend.errors import ConfigError, PoolError, WorkerLost  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
@@ -199,3 +200,49 @@ async def test_the_daemon_serves_a_ray_pools_tools(ray_cluster: RayCluster) -> N
     assert kept.value is None
     assert in_session.ok, in_session
     assert in_session.host.startswith("daemon-")
+
+
+async def test_an_actor_killed_mid_call_raises_worker_lost_through_the_dispatcher(
+    ray_cluster: RayCluster,
+) -> None:
+    """Infrastructure, not the model's doing: raised (typed, named), and the session survives."""
+    config = pool_config(
+        "ray_tools:hold",
+        "ray_tools:echo",
+        {"function": "ray_tools:hold", "name": "hold_again", "idempotent": True},
+        name="dfault",
+        replicas=2,
+        max_restarts=2,
+    )
+    async with (
+        RayBackend.from_config(config) as backend,
+        Dispatcher(ToolRegistry(), backend, default_timeout=20) as dispatcher,
+        dispatcher.session() as session,
+    ):
+        caught: list[BaseException] = []
+
+        async def run(tool: str) -> None:
+            try:
+                caught.append(await session.call((tool, {"seconds": 2})))
+            except WorkerLost as exc:
+                caught.append(exc)
+
+        for tool in ("hold", "hold_again"):
+            async with anyio.create_task_group() as group:
+                group.start_soon(run, tool)
+                await wait_for(lambda: backend.statistics().calls_in_flight == 1)
+                await anyio.sleep(0.3)  # the call is running inside the actor
+                busy = next(info for info in backend.actors() if info.in_flight == 1)
+                ray.kill(ray.get_actor(busy.ray_name))
+            await wait_for(lambda: backend.statistics().actors_live == 2)
+        lost, retried = caught
+        assert isinstance(lost, WorkerLost)
+        assert lost.worker is not None
+        assert lost.worker.startswith("dfault-")
+        assert "killed by `ray.kill`" in (lost.cause or "")
+        # Declared idempotent: retried once on another actor, and the model sees a success.
+        assert not isinstance(retried, BaseException)
+        assert retried.ok, retried
+        again = await session.call(("echo", {"text": "after"}))
+        assert again.output == "after"
+        assert dispatcher.statistics().sessions_open == 1

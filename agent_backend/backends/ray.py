@@ -48,6 +48,7 @@ import ray.exceptions
 
 from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
+from agent_backend.backends.ray_actors import ActorSet
 from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
@@ -56,7 +57,6 @@ from agent_backend.backends.ray_runtime import (
     connect,
     describe_cause,
     describe_when_ready,
-    kill_actors,
     render_resources,
 )
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
@@ -372,15 +372,21 @@ class RayBackend(Backend):
         self._owns_ray = False
         self._stack = contextlib.AsyncExitStack()
         self._tasks: anyio.abc.TaskGroup | None = None
-        self._actors: list[_Actor] = []
-        self._retired: list[_Actor] = []
-        self._restarts = [0] * config.replicas
+        self._actors = ActorSet[_Actor](
+            replicas=config.replicas,
+            max_restarts=config.max_restarts,
+            max_concurrency=config.max_concurrency,
+            spawn=self._spawn,
+            await_ready=self._await_ready,
+            changed=self._dispatch_waiters,
+            closed_cause="the pool was closed",
+        )
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._tools: dict[str, Tool] = {}
         self._specs: dict[str, RayToolConfig] = {}
         self._unsatisfiable: dict[str, ResourceUnavailable] = {}
         self._payloads: weakref.WeakSet[PayloadRef] = weakref.WeakSet()
-        self._calls = self._retries = self._evictions = self._replacements = 0
+        self._calls = self._retries = 0
 
     @classmethod
     def from_config(cls, config: RayPoolConfig) -> RayBackend:
@@ -435,23 +441,23 @@ class RayBackend(Backend):
         return tuple(self._tools.values())
 
     def actors(self) -> list[RayActorInfo]:
-        return [actor.info() for actor in self._actors]
+        return [actor.info() for actor in self._actors.entries]
 
     def is_closed(self) -> bool:
         return self._state in ("closing", "closed")
 
     def statistics(self) -> RayStatistics:
-        states = collections.Counter(actor.state for actor in self._actors)
+        states = self._actors.states()
         return RayStatistics(
             actors_live=states["live"],
             actors_starting=states["starting"],
             actors_dead=states["dead"],
-            calls_in_flight=sum(actor.in_flight for actor in self._actors),
+            calls_in_flight=self._actors.in_flight(),
             calls_queued=len(self._waiters),
             calls=self._calls,
             retries=self._retries,
-            evictions=self._evictions,
-            restarts=self._replacements,
+            evictions=self._actors.evictions,
+            restarts=self._actors.replacements,
             payloads=sum(1 for payload in self._payloads if not payload.is_released()),
             closed=self._state == "closed",
         )
@@ -465,25 +471,8 @@ class RayBackend(Backend):
         await anyio.to_thread.run_sync(self._connect)
         self._check_cluster(await anyio.to_thread.run_sync(ray.cluster_resources))
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-        self._actors = [self._spawn(index, 0) for index in range(self.config.replicas)]
-        described: list[dict[str, Any]] = []
-        failures: list[AgentBackendError] = []
-
-        async def ready(actor: _Actor) -> None:
-            try:
-                described.append(await self._await_ready(actor))
-            except AgentBackendError as exc:
-                failures.append(exc)
-
-        async with anyio.create_task_group() as group:
-            for actor in self._actors:
-                group.start_soon(ready, actor)
-        if failures:
-            raise failures[0]
+        described = await self._actors.start(self._tasks)
         self._learn_tools(described[0])
-        for actor in self._actors:
-            actor.state = "live"
-            self._tasks.start_soon(self._watch, actor)
         self._state = "open"
 
     def _connect(self) -> None:
@@ -567,7 +556,7 @@ class RayBackend(Backend):
         finally:
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._stop_actors([*self._actors, *self._retired])
+                    await self._actors.stop()
                     for payload in list(self._payloads):
                         payload.release()
                     if self._owns_ray:
@@ -577,81 +566,14 @@ class RayBackend(Backend):
                     self._state = "closed"
                     self._done.set()
 
-    async def _stop_actors(self, actors: Sequence[_Actor]) -> None:
-        """Kill every actor and wait (bounded) until Ray reports each dead."""
-        for actor in actors:
-            if actor.state != "dead":
-                actor.state, actor.cause = "dead", "the pool was closed"
-        if not actors or not ray.is_initialized():
-            return
-        await anyio.to_thread.run_sync(kill_actors, [actor.handle for actor in actors])
-        with anyio.move_on_after(10):
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    await actor.sentinel
-
-    # -- faults ----------------------------------------------------------------------------------
-
-    async def _watch(self, actor: _Actor) -> None:
-        try:
-            await actor.sentinel
-        except Exception as exc:
-            self._evict(actor, describe_cause(exc))
-
-    def _evict(self, actor: _Actor, cause: str) -> None:
-        """Mark ``actor`` dead (once) and schedule its retirement and replacement."""
-        if actor.state == "dead" or self._tasks is None:
-            return
-        actor.state = "dead"
-        actor.cause = cause
-        self._evictions += 1
-        replace = self._state == "open" and self._restarts[actor.index] < self.config.max_restarts
-        self._tasks.start_soon(self._retire, actor, replace)
-        self._dispatch_waiters()
-
-    async def _retire(self, actor: _Actor, replace: bool) -> None:
-        await anyio.to_thread.run_sync(kill_actors, [actor.handle])
-        index = actor.index
-        while replace and self._restarts[index] < self.config.max_restarts:
-            self._restarts[index] += 1
-            self._replacements += 1
-            new = self._spawn(index, self._restarts[index])
-            self._retired.append(self._actors[index])
-            self._actors[index] = new
-            try:
-                await self._await_ready(new)
-            except AgentBackendError as exc:
-                new.state, new.cause = "dead", str(exc)
-                await anyio.to_thread.run_sync(kill_actors, [new.handle])
-                self._dispatch_waiters()
-                await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
-                continue
-            new.state = "live"
-            assert self._tasks is not None
-            self._tasks.start_soon(self._watch, new)
-            self._dispatch_waiters()
-            return
-        self._dispatch_waiters()
-
     # -- routing ---------------------------------------------------------------------------------
-
-    def _pick(self) -> _Actor | None:
-        """The least-loaded live actor with a free slot (fewest served breaks ties)."""
-        limit = self.config.max_concurrency
-        free = [a for a in self._actors if a.state == "live" and a.in_flight < limit]
-        return min(free, key=lambda a: (a.in_flight, a.served)) if free else None
-
-    def _all_dead(self) -> bool:
-        return all(actor.state == "dead" for actor in self._actors) and not any(
-            self._restarts[a.index] < self.config.max_restarts for a in self._actors
-        )
 
     def _dispatch_waiters(self) -> None:
         """Hand free actors to queued calls in FIFO order (sync: no I/O here)."""
         while self._waiters:
-            actor = self._pick()
+            actor = self._actors.pick()
             if actor is None:
-                if self._all_dead():
+                if self._actors.exhausted():
                     self._fail_waiters(self._no_actor_error())
                 return
             waiter = self._waiters.popleft()
@@ -666,19 +588,19 @@ class RayBackend(Backend):
             waiter.event.set()
 
     def _no_actor_error(self) -> BackendUnavailable:
-        causes = "; ".join(f"{a.name}: {a.cause}" for a in self._actors if a.cause)
         return BackendUnavailable(
-            f"every actor of pool {self.config.name!r} is dead and out of restarts ({causes})",
+            f"every actor of pool {self.config.name!r} is dead and out of restarts "
+            f"({self._actors.causes()})",
             backend="ray",
         )
 
     async def _acquire(self) -> _Actor:
         if not self._waiters:
-            actor = self._pick()
+            actor = self._actors.pick()
             if actor is not None:
                 actor.in_flight += 1
                 return actor
-        if self._all_dead():
+        if self._actors.exhausted():
             raise self._no_actor_error()
         waiter = _Waiter()
         self._waiters.append(waiter)
@@ -766,7 +688,7 @@ class RayBackend(Backend):
                     try:
                         value = await self._run_on(actor, tool, arguments, has_payloads)
                     except _ActorDied as died:
-                        self._evict(actor, died.cause)
+                        self._actors.evict(actor, died.cause)
                         if spec.idempotent and attempts == 1:
                             self._retries += 1
                             continue

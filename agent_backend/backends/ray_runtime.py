@@ -157,6 +157,13 @@ CONNECTION: Final = RayConnection()
 
 
 def kill_actors(handles: Sequence[Any]) -> None:
+    """``ray.kill`` each actor (never restarted); errors ignored (it may be gone already).
+
+    A no-op when this process is not connected to Ray: ``ray.kill`` would
+    otherwise start a local Ray of its own just to fail.
+    """
+    if not ray.is_initialized():
+        return
     for handle in handles:
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=True)

@@ -48,6 +48,7 @@ import ray
 import ray.exceptions
 
 from agent_backend.backends.ray import RayPoolConfig
+from agent_backend.backends.ray_actors import ActorSet
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
@@ -55,11 +56,9 @@ from agent_backend.backends.ray_runtime import (
     connect,
     describe_cause,
     describe_when_ready,
-    kill_actors,
 )
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
-    AgentBackendError,
     BackendUnavailable,
     NonFiniteLogprobs,
     PoolClosed,
@@ -314,14 +313,19 @@ class RayRolloutWorkers(AsyncResource):
         self._owns_ray = False
         self._stack = contextlib.AsyncExitStack()
         self._tasks: anyio.abc.TaskGroup | None = None
-        self._workers: list[_Worker] = []
-        """The current worker of each replica (index = replica)."""
-        self._retired: list[_Worker] = []
-        self._restarts = [0] * config.replicas
+        self._workers = ActorSet[_Worker](
+            replicas=config.replicas,
+            max_restarts=config.max_restarts,
+            max_concurrency=config.max_concurrency,
+            spawn=self._spawn,
+            await_ready=self._await_ready,
+            changed=self._notify,
+            closed_cause="the workers were closed",
+        )
         self._changed = anyio.Event()
         """Set (and replaced) whenever a worker changes state or frees a slot."""
         self._done = anyio.Event()
-        self._episodes = self._lost = self._evictions = self._replacements = 0
+        self._episodes = self._lost = 0
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -336,33 +340,32 @@ class RayRolloutWorkers(AsyncResource):
     @property
     def workers(self) -> list[RolloutWorkerInfo]:
         """The current worker of every replica."""
-        return [worker.info() for worker in self._workers]
+        return [worker.info() for worker in self._workers.entries]
 
     @property
     def ray_names(self) -> list[str]:
         """The Ray names of every actor started so far, replaced ones included."""
-        return list(dict.fromkeys(w.ray_name for w in [*self._retired, *self._workers]))
+        return list(dict.fromkeys(worker.ray_name for worker in self._workers.everyone()))
 
     @property
     def capacity(self) -> int:
         """Episodes the live workers run at once."""
-        live = sum(worker.state == "live" for worker in self._workers)
-        return live * self.config.max_concurrency
+        return self._workers.live() * self.config.max_concurrency
 
     def is_closed(self) -> bool:
         return self._state in ("closing", "closed")
 
     def statistics(self) -> RayRolloutStatistics:
-        states = collections.Counter(worker.state for worker in self._workers)
+        states = self._workers.states()
         return RayRolloutStatistics(
             workers_live=states["live"],
             workers_starting=states["starting"],
             workers_dead=states["dead"],
-            episodes_in_flight=sum(worker.in_flight for worker in self._workers),
+            episodes_in_flight=self._workers.in_flight(),
             episodes=self._episodes,
             episodes_lost=self._lost,
-            evictions=self._evictions,
-            restarts=self._replacements,
+            evictions=self._workers.evictions,
+            restarts=self._workers.replacements,
             closed=self._state == "closed",
         )
 
@@ -382,26 +385,10 @@ class RayRolloutWorkers(AsyncResource):
         try:
             await anyio.to_thread.run_sync(self._connect)
             self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-            self._workers = [self._spawn(index, 0) for index in range(self.config.replicas)]
-            failures: list[AgentBackendError] = []
-
-            async def ready(worker: _Worker) -> None:
-                try:
-                    await self._await_ready(worker)
-                except AgentBackendError as exc:
-                    failures.append(exc)
-
-            async with anyio.create_task_group() as group:
-                for worker in self._workers:
-                    group.start_soon(ready, worker)
-            if failures:
-                raise failures[0]
+            await self._workers.start(self._tasks)
         except BaseException:
             await self.aclose()
             raise
-        for worker in self._workers:
-            worker.state = "live"
-            self._tasks.start_soon(self._watch, worker)
         self._state = "open"
 
     def _connect(self) -> None:
@@ -459,10 +446,10 @@ class RayRolloutWorkers(AsyncResource):
                 try:
                     with anyio.move_on_after(_CLOSE_TIMEOUT):
                         async with anyio.create_task_group() as group:
-                            for worker in self._workers:
+                            for worker in self._workers.entries:
                                 if worker.state == "live":
                                     group.start_soon(self._close_worker, worker)
-                    await self._stop([*self._retired, *self._workers])
+                    await self._workers.stop()
                     if self._owns_ray:
                         self._owns_ray = False
                         await anyio.to_thread.run_sync(CONNECTION.close)
@@ -476,90 +463,20 @@ class RayRolloutWorkers(AsyncResource):
         with contextlib.suppress(Exception):
             await worker.handle.close.remote()
 
-    async def _stop(self, workers: Sequence[_Worker]) -> None:
-        """Kill every actor and wait (bounded) until Ray reports each dead."""
-        for worker in workers:
-            if worker.state != "dead":
-                worker.state, worker.cause = "dead", "the workers were closed"
-        if not workers or not ray.is_initialized():
-            return
-        await anyio.to_thread.run_sync(kill_actors, [worker.handle for worker in workers])
-        with anyio.move_on_after(10):
-            for worker in workers:
-                with contextlib.suppress(Exception):
-                    await worker.sentinel
-
     # -- faults ----------------------------------------------------------------------------------
 
     def _notify(self) -> None:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def _watch(self, worker: _Worker) -> None:
-        try:
-            await worker.sentinel
-        except Exception as exc:
-            self._evict(worker, describe_cause(exc))
-
-    def _evict(self, worker: _Worker, cause: str) -> None:
-        """Mark ``worker`` dead (once) and schedule its retirement and replacement."""
-        if worker.state == "dead":
-            return
-        worker.state = "dead"
-        worker.cause = cause
-        self._evictions += 1
-        if self._tasks is not None and self._state == "open":
-            replace = self._restarts[worker.index] < self.config.max_restarts
-            self._tasks.start_soon(self._retire, worker, replace)
-        self._notify()
-
-    async def _retire(self, worker: _Worker, replace: bool) -> None:
-        self._retired.append(worker)
-        await anyio.to_thread.run_sync(kill_actors, [worker.handle])
-        index = worker.index
-        while replace and self._restarts[index] < self.config.max_restarts:
-            self._restarts[index] += 1
-            self._replacements += 1
-            new = self._spawn(index, self._restarts[index])
-            self._workers[index] = new
-            self._notify()
-            try:
-                await self._await_ready(new)
-            except AgentBackendError as exc:
-                new.state, new.cause = "dead", str(exc)
-                self._retired.append(new)
-                await anyio.to_thread.run_sync(kill_actors, [new.handle])
-                self._notify()
-                await anyio.sleep(min(0.5 * self._restarts[index], 5.0))
-                continue
-            new.state = "live"
-            assert self._tasks is not None
-            self._tasks.start_soon(self._watch, new)
-            self._notify()
-            return
-        self._notify()
-
-    def _out_of_workers(self) -> bool:
-        """No worker is live or starting, and no replica may be replaced any more."""
-        return all(worker.state == "dead" for worker in self._workers) and not any(
-            self._restarts[worker.index] < self.config.max_restarts for worker in self._workers
-        )
-
     def _no_worker_error(self) -> BackendUnavailable:
-        causes = "; ".join(f"{w.name}: {w.cause}" for w in self._workers if w.cause)
         return BackendUnavailable(
             f"every Ray rollout worker of pool {self.config.name!r} is dead and out of "
-            f"restarts (max_restarts={self.config.max_restarts}): {causes}",
+            f"restarts (max_restarts={self.config.max_restarts}): {self._workers.causes()}",
             backend="ray",
         )
 
     # -- routing ---------------------------------------------------------------------------------
-
-    def _pick(self) -> _Worker | None:
-        """The least-loaded live worker with a free slot (fewest served breaks ties)."""
-        limit = self.config.max_concurrency
-        free = [w for w in self._workers if w.state == "live" and w.in_flight < limit]
-        return min(free, key=lambda w: (w.in_flight, w.served)) if free else None
 
     async def _acquire(self) -> _Worker:
         while True:
@@ -570,11 +487,11 @@ class RayRolloutWorkers(AsyncResource):
                     f"the Ray rollout workers of pool {self.config.name!r} are not started: "
                     "use `async with`"
                 )
-            worker = self._pick()
+            worker = self._workers.pick()
             if worker is not None:
                 worker.in_flight += 1
                 return worker
-            if self._out_of_workers():
+            if self._workers.exhausted():
                 raise self._no_worker_error()
             await self._changed.wait()
 
@@ -642,7 +559,7 @@ class RayRolloutWorkers(AsyncResource):
         except ACTOR_DEATHS as exc:
             await _drain(second)
             cause_text = describe_cause(exc)
-            self._evict(worker, cause_text)
+            self._workers.evict(worker, cause_text)
             self._lost += 1
             error = f"rollout worker {worker.name} was lost: {cause_text}"
             return self._failed(ids, version, "env_error", error)
@@ -663,7 +580,7 @@ class RayRolloutWorkers(AsyncResource):
     async def non_finite(self) -> NonFiniteStats:
         """The non-finite logprob counts of every live worker, summed (a dead worker's are lost)."""
         totals: collections.Counter[str] = collections.Counter()
-        for worker in self._workers:
+        for worker in self._workers.entries:
             if worker.state == "live":
                 with contextlib.suppress(Exception):
                     stats = await worker.handle.non_finite.remote()

@@ -1,7 +1,8 @@
 """The small abstract base every backend implements: hosts that run commands and hold files.
 
-A *backend* is a set of *hosts* of one kind (this machine; SSH hosts; later
-Ray actors), opened and closed as one async resource. A *host* is one place a
+A *backend* is a set of *hosts* of one kind (this machine; SSH hosts), opened
+and closed as one async resource; a Ray pool has no hosts and *hosts tools*
+instead (see the end of this docstring). A *host* is one place a
 command runs: it executes a :class:`Command` and returns a
 :class:`CommandResult`, and it offers the few file operations the built-in
 file tools need. Everything above this module (dispatch, sessions, daemon)

@@ -51,7 +51,6 @@ TOKEN = "bench-token-" + "x" * 24
 CONCURRENCY = (1, 16, 64)
 # The daemon's process, whose CPU time the daemon rows report.
 SERVER: subprocess.Popen[str] | None = None
-SERVER_PID = 0
 
 
 def make_registry() -> ToolRegistry:
@@ -124,8 +123,18 @@ class Run:
         return self.latencies[index] * 1000
 
 
+def _server_pid() -> int | None:
+    """The daemon child's pid, whose CPU per call the daemon runs report."""
+    return SERVER.pid if SERVER is not None else None
+
+
 async def load(
-    concurrency: int, total: int, one_call: Callable[[int], Awaitable[bool]], warmup: int
+    concurrency: int,
+    total: int,
+    one_call: Callable[[int], Awaitable[bool]],
+    warmup: int,
+    *,
+    server_pid: int | None = None,
 ) -> Run:
     for i in range(warmup):
         await one_call(i)
@@ -143,14 +152,14 @@ async def load(
 
     started = time.perf_counter()
     cpu = time.process_time()
-    server = cpu_seconds(SERVER_PID) if SERVER_PID else 0.0
+    server = cpu_seconds(server_pid) if server_pid else 0.0
     async with anyio.create_task_group() as group:
         for index in range(concurrency):
             group.start_soon(client, index)
     run = Run(latencies, time.perf_counter() - started, errors)
     run.client_cpu = (time.process_time() - cpu) / len(latencies)
-    if SERVER_PID:
-        run.server_cpu = (cpu_seconds(SERVER_PID) - server) / len(latencies)
+    if server_pid:
+        run.server_cpu = (cpu_seconds(server_pid) - server) / len(latencies)
     return run
 
 
@@ -184,12 +193,7 @@ async def through_daemon(
                 return False
             return result.ok
 
-        global SERVER_PID
-        SERVER_PID = SERVER.pid if SERVER is not None else 0
-        try:
-            return await load(concurrency, total, one, warmup=200)
-        finally:
-            SERVER_PID = 0
+        return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
 
 
 async def through_httpx(
@@ -217,12 +221,7 @@ async def through_httpx(
             response = await clients[(i // per_client) % concurrency].post("/v1/call", content=body)
             return response.status_code == 200 and bool(orjson.loads(response.content)["ok"])
 
-        global SERVER_PID
-        SERVER_PID = SERVER.pid if SERVER is not None else 0
-        try:
-            return await load(concurrency, total, one, warmup=200)
-        finally:
-            SERVER_PID = 0
+        return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
 
 
 async def through_daemon_raw(
@@ -260,12 +259,7 @@ async def through_daemon_raw(
             answer = await stream.receive_exactly(length)
             return head.startswith(b"HTTP/1.1 200") and b'"ok":true' in answer
 
-        global SERVER_PID
-        SERVER_PID = SERVER.pid if SERVER is not None else 0
-        try:
-            return await load(concurrency, total, one, warmup=200)
-        finally:
-            SERVER_PID = 0
+        return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
 
 
 def row(label: str, run: Run) -> str:

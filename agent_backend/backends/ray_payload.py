@@ -37,13 +37,13 @@ import dataclasses
 import sys
 import zlib
 from collections.abc import Iterator, Mapping
-from types import TracebackType
 from typing import Any, Final
 
 import ray
 import ray.exceptions
 
 from agent_backend.errors import PayloadLost
+from agent_backend.lifecycle import AsyncResource, SyncResource
 
 __all__ = [
     "INLINE_FLOOR",
@@ -200,7 +200,7 @@ def describe_payload(
 
 
 @dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
-class PayloadRef:
+class PayloadRef(SyncResource, AsyncResource):
     """A tool result kept in the Ray object store; pass it on instead of its bytes.
 
     Pass it as (part of) an argument of another tool call on a Ray pool, or
@@ -259,26 +259,12 @@ class PayloadRef:
         """Drop this handle's reference; idempotent. Borrowers that hold a copy keep theirs."""
         self._ref = None
 
-    def __enter__(self) -> PayloadRef:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """:meth:`release`, as ``with ref:`` calls it at the end of the block."""
         self.release()
 
-    async def __aenter__(self) -> PayloadRef:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def aclose(self) -> None:
+        """:meth:`release`, as ``async with ref:`` calls it at the end of the block."""
         self.release()
 
     def __repr__(self) -> str:

@@ -52,6 +52,21 @@ def test_result_is_frozen_json_and_pickle_safe() -> None:
     }
 
 
+def test_value_stays_in_process_and_out_of_equality() -> None:
+    """ToolResult.value holds a tool's Python value (a PayloadRef, say) without touching the wire."""
+    held = object()  # not JSON: it must never reach the serialized form
+    result = ToolResult(call_id="c", tool="t", ok=True, output="x").with_value(held)
+    assert result.value is held
+    assert result.model_copy(update={"duration": 1.5}).value is held
+    assert "value" not in result.model_dump()
+    back = ToolResult.model_validate_json(result.model_dump_json())
+    assert back.value is None
+    assert back == result
+    assert hash(back) == hash(result)
+    assert result != ToolResult(call_id="c", tool="t", ok=True, output="y")
+    assert "value" not in ToolResult.model_json_schema()["properties"]
+
+
 def test_model_message() -> None:
     ok = ToolResult(call_id="c", tool="t", ok=True, output="42")
     assert ok.to_model_message() == "42"

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal, Self
@@ -40,6 +39,7 @@ import anyio.from_thread
 import httpx
 import orjson
 
+from agent_backend.backoff import backoff_delay
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
 from agent_backend.http11 import HTTP11Transport
@@ -215,8 +215,7 @@ class Client(AsyncResource):
     # -- requests -----------------------------------------------------------------------------------
 
     def _delay(self, attempt: int) -> float:
-        base: float = min(self.max_backoff, self.backoff * 2.0**attempt)
-        return base * (0.5 + random.random() / 2)  # jitter, so that clients do not retry in step
+        return backoff_delay(attempt + 1, first=self.backoff, ceiling=self.max_backoff)
 
     async def _request(
         self,

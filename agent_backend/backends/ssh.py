@@ -87,6 +87,7 @@ import asyncssh.encryption
 import pydantic
 
 from agent_backend.backends._errors import describe, map_exceptions
+from agent_backend.backoff import backoff_delay
 from agent_backend.dispatch.backend import (
     Backend,
     Command,
@@ -1036,8 +1037,8 @@ class SSHHost(Host):
             )
 
     def _retry_delay(self, attempt: int) -> float:
-        delay = min(self.config.retry_backoff * 2.0 ** (attempt - 1), self.config.retry_backoff_max)
-        return delay * random.uniform(0.5, 1.0)
+        config = self.config
+        return backoff_delay(attempt, first=config.retry_backoff, ceiling=config.retry_backoff_max)
 
     # -- running commands ---------------------------------------------------------------------
 

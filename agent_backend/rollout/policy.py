@@ -57,6 +57,7 @@ import anyio
 import httpx
 import orjson
 
+from agent_backend.backoff import backoff_delay
 from agent_backend.errors import PolicyError, clip
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
@@ -353,8 +354,7 @@ class OpenAICompatiblePolicy(AsyncResource):
                 ) from None
 
     def _delay(self, retry: int) -> float:
-        ceiling: float = min(self.max_backoff, self.backoff * 2.0 ** (retry - 1))
-        return ceiling * (0.5 + self._random.random() / 2)
+        return backoff_delay(retry, first=self.backoff, ceiling=self.max_backoff, rng=self._random)
 
     async def _post(self, payload: bytes) -> Any:
         last: PolicyError | None = None

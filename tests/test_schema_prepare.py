@@ -281,6 +281,10 @@ def test_defaults_only_when_asked() -> None:
         ("null", "must be a JSON object"),
         ('{"x": NaN}', "not valid JSON"),
         ('{"x": Infinity}', "not valid JSON"),
+        ('{"x": 1e400}', "infinity"),  # orjson refuses, the standard library reads inf
+        ('{"x": -1e400}', "infinity"),
+        ('{"x": "\\ud800"}', "surrogate"),  # not Unicode text
+        ('{"\\udc00": 1}', "surrogate"),
         (b"\xff\xfe", "not valid JSON"),
     ],
 )
@@ -318,6 +322,23 @@ def test_python_values_that_are_not_json_are_refused() -> None:
         prep({1: 2})
     with pytest.raises(ToolArgumentError, match="JSON object"):
         prep(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "pointer"),
+    [
+        ({"n": 1, "s": "a\ud800"}, "/s"),
+        ({"n": 1, "o": {"\udfff": 1}}, "/o/\udfff"),
+        ({"n": "x", "l": ["ok", "\ud83d"]}, "/l/1"),  # refused before any repair or validation
+    ],
+)
+def test_lone_surrogates_are_refused_with_their_pointer(
+    arguments: dict[str, Any], pointer: str
+) -> None:
+    """Not Unicode text: no UTF-8 form, so no tool could be sent it (and validators choke on it)."""
+    with pytest.raises(ToolArgumentError, match="lone surrogate") as info:
+        prep(arguments)
+    assert info.value.issues[0].pointer == pointer
 
 
 def test_python_subclasses_become_plain_json() -> None:

@@ -67,11 +67,13 @@ json_values = st.recursive(
     | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=20)
-    | st.sampled_from(["1", "1.5", "true", "null", "[1]", '{"k": "2"}', "007", "nan", "1e999"]),
+    | st.sampled_from(["1", "1.5", "true", "null", "[1]", '{"k": "2"}', "007", "nan", "1e999"])
+    # Lone surrogates (not Unicode text), raw and JSON-escaped, and a literal too big for a double.
+    | st.sampled_from(["\ud800", "a\udfffb", '{"k": "\\ud800"}', '["\\udc00"]', "[1e400]"]),
     lambda children: (
         st.lists(children, max_size=4)
         | st.dictionaries(
-            st.sampled_from(["n", "x", "b", "z", "o", "a", "m", "s", "u", "k", "e", "one"])
+            st.sampled_from(["n", "x", "b", "z", "o", "a", "m", "s", "u", "k", "e", "one", "\udc00"])
             | st.text(max_size=5),
             children,
             max_size=5,

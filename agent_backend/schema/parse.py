@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,10 +27,13 @@ __all__ = [
     "Limits",
     "check_depth",
     "has_big_float",
+    "has_lone_surrogate",
     "has_non_finite",
     "json_type_name",
     "load_json_value",
+    "lone_surrogate",
     "parse_arguments",
+    "shallow_enough",
 ]
 
 _SCALARS = (str, int, float, bool, type(None))
@@ -73,7 +77,10 @@ def load_json_value(text: str | bytes) -> Any:
     tell exactly where and why. orjson reads an integer beyond 64 bits as a
     float, silently losing digits: when a float that large comes back, the
     standard library re-reads the text exactly. NaN and Infinity literals are
-    refused by both.
+    refused by both; so are what only orjson refuses, a number too large for a
+    double (``1e400``) and a lone surrogate escape (``"\\ud800"``, not Unicode
+    text): the standard library reads them, and they are then refused with
+    orjson's reason.
     """
     try:
         value = orjson.loads(text)
@@ -89,7 +96,7 @@ def load_json_value(text: str | bytes) -> Any:
         except UnicodeDecodeError as exc:
             raise ValueError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        value = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":
             raise ValueError(
@@ -99,6 +106,9 @@ def load_json_value(text: str | bytes) -> Any:
         raise ValueError(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (ValueError, RecursionError) as exc:
         raise ValueError(str(exc) if not isinstance(exc, RecursionError) else fast_reason) from None
+    if fast_reason and (has_non_finite([value]) or has_lone_surrogate(value)):
+        raise ValueError(fast_reason)
+    return value
 
 
 def check_depth(value: Any, max_depth: int, start: int = 1) -> int:
@@ -126,6 +136,25 @@ def check_depth(value: Any, max_depth: int, start: int = 1) -> int:
 
 #: Floats at least this large may be integers orjson could not hold exactly.
 BIG_FLOAT = float(2**63)
+
+
+def shallow_enough(text: str | bytes, value: Any, max_depth: int) -> bool:
+    """Whether ``value``, read from JSON ``text``, nests no deeper than ``max_depth``.
+
+    Fewer opening brackets than the bound cannot nest deeper (brackets inside
+    strings only over-count); otherwise the value itself is walked.
+    """
+    if isinstance(text, str):
+        brackets = text.count("{") + text.count("[")
+    else:
+        brackets = text.count(b"{") + text.count(b"[")
+    if brackets <= max_depth:
+        return True
+    try:
+        check_depth(value, max_depth)
+    except ValueError:
+        return False
+    return True
 
 
 def has_big_float(value: Any) -> bool:
@@ -171,6 +200,34 @@ def has_non_finite(value: Any) -> bool:
     return False
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone surrogate in ``text`` as ``U+XXXX`` (not Unicode text, no UTF-8 form), or None."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else f"U+{ord(found.group()):04X}"
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value holds a lone surrogate in any string or key (iterative)."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if type(node) is dict:
+            for key, child in node.items():
+                if lone_surrogate(key) is not None:
+                    return True
+                stack.append(child)
+        elif type(node) is list:
+            stack.extend(node)
+        elif type(node) is str and lone_surrogate(node) is not None:
+            return True
+    return False
+
+
 class _Refused(Exception):
     def __init__(self, message: str, path: tuple[Any, ...], got: str = "") -> None:
         super().__init__(message)
@@ -182,16 +239,27 @@ class _Refused(Exception):
 def _plain(value: Any, path: tuple[Any, ...]) -> tuple[Any, int]:
     """A scalar as a plain JSON value and its estimated encoded size; containers are handled by the caller."""
     kind = type(value)
-    if kind is str:
-        return value, len(value) + 2
     if kind is int or kind is bool or value is None:
         return value, 8
     if kind is float or isinstance(value, (int, float, str)):
         plain = _plain_scalar(value)
         if type(plain) is float and not math.isfinite(plain):
             raise _Refused("NaN and Infinity are not JSON numbers", path, repr(value))
-        return plain, (len(plain) + 2 if type(plain) is str else 8)
+        if type(plain) is str:
+            _check_text(plain, path)
+            return plain, len(plain) + 2
+        return plain, 8
     raise _Refused(f"{kind.__name__} is not a JSON value", path, repr(value)[:60])
+
+
+def _check_text(text: str, path: tuple[Any, ...]) -> None:
+    surrogate = lone_surrogate(text)
+    if surrogate is not None:
+        raise _Refused(
+            f"a string holds a lone surrogate ({surrogate}), which is not Unicode text",
+            path,
+            repr(text)[:60],
+        )
 
 
 def _copy_mapping(arguments: Mapping[str, Any], limits: Limits, tool: str | None) -> dict[str, Any]:
@@ -217,9 +285,11 @@ def _copy_tree(arguments: Mapping[str, Any], limits: Limits) -> dict[str, Any]:
             if is_object:
                 if type(key) is not str:
                     raise _Refused("object keys must be strings", path, repr(key)[:60])
+                _check_text(key, (*path, key))
                 budget -= len(key) + 4
             kind = type(value)
             if kind is str:
+                _check_text(value, (*path, key))
                 copy: Any = value
                 budget -= len(value) + 2
             elif kind is int or kind is bool or value is None:

@@ -73,7 +73,9 @@ json_values = st.recursive(
     lambda children: (
         st.lists(children, max_size=4)
         | st.dictionaries(
-            st.sampled_from(["n", "x", "b", "z", "o", "a", "m", "s", "u", "k", "e", "one", "\udc00"])
+            st.sampled_from(
+                ["n", "x", "b", "z", "o", "a", "m", "s", "u", "k", "e", "one", "\udc00"]
+            )
             | st.text(max_size=5),
             children,
             max_size=5,

@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test lint typecheck pytest bench system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c
+	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -19,14 +20,14 @@ run: $(STAMP)
 	$(BIN)/agent-backend serve
 
 lint: $(STAMP)
-	$(BIN)/ruff check agent_backend tests bench
-	$(BIN)/ruff format --check agent_backend tests bench
+	$(BIN)/ruff check agent_backend tests bench setup.py
+	$(BIN)/ruff format --check agent_backend tests bench setup.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy agent_backend
 
 system-deps:
-	bash scripts/ensure-system-deps.sh
+	bash scripts/ensure-system-deps.sh test
 
 pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest -W error -q
@@ -45,4 +46,5 @@ bench: $(STAMP) system-deps
 	done; exit $$status
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
+	rm -f agent_backend/schema/_plain.*.so

@@ -1,21 +1,53 @@
 #!/usr/bin/env bash
-# System packages the tests need, installed on a fresh machine when we may (root + apt-get).
-# Under CI=true a missing package that cannot be installed fails the run here, loudly.
+# System packages, installed on a fresh machine when we may (root + apt-get).
+#
+#   ensure-system-deps.sh build   a C compiler and Python's headers, for the optional
+#                                 accelerator agent_backend.schema._plain (setup.py);
+#                                 without them the install still works, slower
+#   ensure-system-deps.sh test    OpenSSH's sshd for the SSH tests; under CI=true a
+#                                 missing sshd that cannot be installed fails here, loudly
 set -euo pipefail
 
-need_sshd() { ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; }
+PYTHON=${PYTHON:-python3}
+can_apt() { [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; }
+apt_install() {
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
 
-if need_sshd; then
-  if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing openssh-server (sshd) for the SSH tests..."
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends openssh-server openssh-client >/dev/null
-    # The package may start a system sshd on port 22; the tests start their own on a free port.
-  elif [ "${CI:-}" = "true" ]; then
-    echo "sshd is missing and cannot be installed (need root and apt-get); the SSH tests require it" >&2
-    exit 1
+build_deps() {
+  local missing=()
+  command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+  local include
+  include=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
+  [ -f "$include/Python.h" ] || missing+=(python3-dev)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if can_apt; then
+    echo "installing ${missing[*]} to build the C accelerator..."
+    apt_install "${missing[@]}"
   else
-    echo "warning: sshd is missing; SSH tests will be skipped (run as root to install it)" >&2
+    echo "warning: ${missing[*]} missing; agent_backend installs without its C accelerator (slower dict arguments)" >&2
   fi
-fi
+}
+
+test_deps() {
+  if ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+    if can_apt; then
+      echo "installing openssh-server (sshd) for the SSH tests..."
+      apt_install openssh-server openssh-client
+      # The package may start a system sshd on port 22; the tests start their own on a free port.
+    elif [ "${CI:-}" = "true" ]; then
+      echo "sshd is missing and cannot be installed (need root and apt-get); the SSH tests require it" >&2
+      exit 1
+    else
+      echo "warning: sshd is missing; SSH tests will be skipped (run as root to install it)" >&2
+    fi
+  fi
+}
+
+case "${1:-test}" in
+  build) build_deps ;;
+  test) test_deps ;;
+  *) echo "usage: $0 [build|test]" >&2; exit 2 ;;
+esac

@@ -32,13 +32,12 @@ from agent_backend.schema.dialect import Dialect
 from agent_backend.schema.keywords import map_schema
 from agent_backend.schema.parse import (
     DEFAULT_LIMITS,
-    PLAIN_ONLY,
     Limits,
-    check_depth,
     has_big_float,
-    has_non_finite,
     parse_arguments,
+    shallow_enough,
 )
+from agent_backend.schema.plain import plain_copy
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -120,7 +119,7 @@ class CompiledSchema:
         )
         """Arguments the tool may run with, or :class:`ToolArgumentError`; never mutates ``arguments``.
 
-        ``prepare(arguments, *, tool=None, inject_defaults=False)``: a closure
+        ``prepare(arguments, tool=None, inject_defaults=False)``: a closure
         built once per schema (the hot path), falling back to the full pipeline.
         """
         self._sub_validators: dict[int, tuple[Any, Validator]] = {}
@@ -195,16 +194,8 @@ class CompiledSchema:
 
 class PrepareFn(Protocol):
     def __call__(
-        self, arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
+        self, arguments: Arguments, tool: str | None = None, inject_defaults: bool = False
     ) -> dict[str, Any]: ...
-
-
-def within_depth(value: Any, max_depth: int) -> bool:
-    try:
-        check_depth(value, max_depth)
-    except ValueError:
-        return False
-    return True
 
 
 def _fast_path(
@@ -215,7 +206,11 @@ def _fast_path(
     max_bytes: int,
     max_depth: int,
 ) -> PrepareFn:
-    """Build the hot path of one schema: short JSON text, or a dict, that is valid as it is.
+    """Build the hot path of one schema: a dict, or short JSON text, that is valid as it is.
+
+    A dict is copied by :func:`~agent_backend.schema.plain.plain_copy` (a deep
+    copy of a plain JSON object within the limits, else ``None``: then the
+    full pipeline says what is wrong) and validated.
 
     Text shorter than 2 * (max_depth + 1) cannot nest deeper than max_depth
     (``[`` and ``]`` per level), nor can text without ``[`` shorter than
@@ -225,59 +220,25 @@ def _fast_path(
     so an integer beyond 64 bits that orjson read as a float fails here and
     the text is read again, exactly, by the full pipeline.
 
-    A dict is first encoded by orjson, which refuses non-JSON types (and
-    integers beyond 64 bits) and gives its size. Its encoding tells its shape
-    without a Python-level scan: one ``{`` and no ``[`` means no container
-    inside (a bracket in a string only sends it the slow way), so ``dict()``
-    is a full copy; no ``null`` means no NaN or infinity either (orjson writes
-    them as null), else its floats are checked. A nested dict is decoded back
-    (a deep copy) and compared with the original, which catches the NaN
-    written as null. Either way NaN takes the checked path, which refuses it
-    with its pointer. Anything else, and anything invalid, goes through
-    ``full``. Closure variables instead of attribute lookups: this runs on
-    every call.
+    Anything else, and anything invalid, goes through ``full``. Closure
+    variables instead of attribute lookups, and parameters with positional
+    defaults (keyword-only defaults cost a dict lookup each per call): this
+    runs on every call.
     """
     loads = orjson.loads
-    dumps = orjson.dumps
     short = 2 * (max_depth + 1)
     short_objects = 5 * max_depth + 2
 
-    def shallow_enough(text: str | bytes, value: Any) -> bool:
-        # Fewer opening brackets than the bound: cannot nest deeper. Brackets
-        # inside strings only over-count, and then the value itself is walked.
-        if isinstance(text, str):
-            brackets = text.count("{") + text.count("[")
-        else:
-            brackets = text.count(b"{") + text.count(b"[")
-        return brackets <= max_depth or within_depth(value, max_depth)
-
     def prepare(
-        arguments: Arguments, *, tool: str | None = None, inject_defaults: bool = False
+        arguments: Arguments, tool: str | None = None, inject_defaults: bool = False
     ) -> dict[str, Any]:
         # Early returns, few locals: every bytecode here is paid on every call.
-        value: dict[str, Any]
+        value: dict[str, Any] | None
         kind = type(arguments)
         if kind is dict:
-            try:
-                encoded = dumps(arguments, None, PLAIN_ONLY)  # positional: no keyword parsing
-            except TypeError:
+            value = plain_copy(arguments, max_depth, max_bytes)
+            if value is None:
                 return full(arguments, tool=tool, inject_defaults=inject_defaults)
-            if len(encoded) > max_bytes:
-                return full(arguments, tool=tool, inject_defaults=inject_defaults)
-            # Flat (no "[", and the only "{" the first byte): a shallow copy copies it all.
-            # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
-            if 91 not in encoded and encoded.rfind(123) == 0:
-                if encoded.find(b"null") >= 0 and has_non_finite(arguments):
-                    return full(arguments, tool=tool, inject_defaults=inject_defaults)
-                value = {**arguments}  # type: ignore[dict-item]
-            else:
-                value = loads(encoded)
-                # orjson writes NaN as null: a copy that differs holds NaN (or a tuple, or
-                # a subclass that compares unequal) and takes the checked path.
-                if value != arguments or (
-                    len(encoded) >= short and not shallow_enough(encoded, value)
-                ):
-                    return full(arguments, tool=tool, inject_defaults=inject_defaults)
             if inject_defaults:
                 return full(arguments, tool=tool, inject_defaults=True, parsed=value)
             if dict_is_valid(value):
@@ -294,7 +255,7 @@ def _fast_path(
             if type(value) is not dict or (
                 size >= short
                 and (size >= short_objects or "[" in arguments)
-                and not shallow_enough(arguments, value)  # type: ignore[arg-type]
+                and not shallow_enough(arguments, value, max_depth)  # type: ignore[arg-type]
             ):
                 return full(arguments, tool=tool, inject_defaults=inject_defaults)
             if inject_defaults:
@@ -409,4 +370,4 @@ def prepare_arguments(
         prepare = _compiled_for(schema)
     if tool is None and not inject_defaults:
         return prepare(arguments)
-    return prepare(arguments, tool=tool, inject_defaults=inject_defaults)
+    return prepare(arguments, tool, inject_defaults)

@@ -1,0 +1,218 @@
+/* agent_backend.schema._plain: the accelerated copy of plain JSON arguments.
+ *
+ * plain_copy(value, max_depth, max_bytes) -> dict | None
+ *
+ * Returns a deep copy of ``value`` when it is a plain JSON object: exact
+ * dict/list containers with exact str keys, exact str, int within 64 bits
+ * (signed, or unsigned as orjson allows), finite float, bool and None; no
+ * deeper than ``max_depth`` (the top object is level 1); no larger than
+ * ``max_bytes`` as compact JSON (bounded from above, never under-counted).
+ * Returns None for anything else: the caller then takes its checked path,
+ * which says what is wrong. Never raises for bad input (only MemoryError).
+ *
+ * Each container is copied first (PyDict_Copy, PyList_GetSlice: no Python
+ * code runs while they copy) and its private copy is then checked and its
+ * nested containers replaced by their own checked copies. A finalizer run
+ * by an allocation cannot change what is checked: nobody else holds the
+ * copies. Scalars are immutable and shared with the input.
+ *
+ * agent_backend/schema/plain.py has the pure-Python equivalent, used when
+ * this module is not built; tests/test_schema_plain.py holds both to the
+ * same answers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+/* Upper bound of the compact JSON size of a str (quotes included); -1 if it
+ * holds a lone surrogate, which is not UTF-8 and orjson refuses. */
+static Py_ssize_t
+str_bound(PyObject *s)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+#endif
+    Py_ssize_t n = PyUnicode_GET_LENGTH(s), size = n + 2, i;
+    if (PyUnicode_IS_ASCII(s)) {
+        const Py_UCS1 *p = PyUnicode_1BYTE_DATA(s);
+        for (i = 0; i < n; i++) {
+            Py_UCS1 c = p[i];
+            if (c < 0x20)
+                size += 5; /* \u00XX */
+            else if (c == '"' || c == '\\')
+                size += 1;
+        }
+        return size;
+    }
+    int kind = PyUnicode_KIND(s);
+    const void *data = PyUnicode_DATA(s);
+    for (i = 0; i < n; i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        if (c < 0x20)
+            size += 5;
+        else if (c == '"' || c == '\\')
+            size += 1;
+        else if (c < 0x80)
+            continue;
+        else if (c < 0x800)
+            size += 1;
+        else if (c >= 0xD800 && c <= 0xDFFF)
+            return -1;
+        else if (c < 0x10000)
+            size += 2;
+        else
+            size += 3;
+    }
+    return size;
+}
+
+/* Upper bound of a scalar's compact JSON size; -1 if it is not a plain JSON scalar. */
+static Py_ssize_t
+scalar_bound(PyObject *v)
+{
+    PyTypeObject *t = Py_TYPE(v);
+    if (t == &PyUnicode_Type)
+        return str_bound(v);
+    if (t == &PyLong_Type) {
+        int overflow;
+        (void)PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow < 0)
+            return -1;
+        if (overflow > 0) {
+            unsigned long long u = PyLong_AsUnsignedLongLong(v);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                return -1;
+            }
+        }
+        return 20; /* "-9223372036854775808", "18446744073709551615" */
+    }
+    if (t == &PyFloat_Type)
+        return isfinite(PyFloat_AS_DOUBLE(v)) ? 24 : -1; /* shortest round-trip repr */
+    if (v == Py_True || v == Py_False || v == Py_None)
+        return 5;
+    return -1;
+}
+
+/* The checked copy of a dict or list at nesting level ``depth`` (1 for the top).
+ * NULL without an exception: not plain, or over a bound. NULL with one: out of memory. */
+static PyObject *copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget);
+
+/* Check ``item``; a container comes back in ``*copied`` as its checked copy (a new reference).
+ * 1: plain; 0: not (no exception); -1: error (exception set). */
+static int
+check_item(PyObject *item, int depth, int max_depth, Py_ssize_t *budget, PyObject **copied)
+{
+    PyTypeObject *t = Py_TYPE(item);
+    *copied = NULL;
+    if (t == &PyDict_Type || t == &PyList_Type) {
+        *copied = copy_container(item, depth + 1, max_depth, budget);
+        if (*copied == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        return 1;
+    }
+    Py_ssize_t size = scalar_bound(item);
+    if (size < 0)
+        return 0;
+    *budget -= size;
+    return *budget >= 0;
+}
+
+static PyObject *
+copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
+{
+    if (depth > max_depth)
+        return NULL;
+    if (Py_EnterRecursiveCall(" while copying tool arguments")) {
+        PyErr_Clear(); /* deeper than the C stack allows: the checked path decides */
+        return NULL;
+    }
+    PyObject *out;
+    int ok = 1;
+    *budget -= 2;
+    if (Py_TYPE(v) == &PyDict_Type) {
+        out = PyDict_Copy(v);
+        Py_ssize_t pos = 0;
+        PyObject *key, *value, *copied;
+        while (out != NULL && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
+            Py_ssize_t size = PyUnicode_CheckExact(key) ? str_bound(key) : -1;
+            if (size < 0) {
+                ok = 0;
+                break;
+            }
+            *budget -= size + 2; /* ':' and ',' */
+            ok = check_item(value, depth, max_depth, budget, &copied);
+            if (copied != NULL) {
+                /* Same key, new value: the key set does not change, so iteration stays valid. */
+                if (PyDict_SetItem(out, key, copied) < 0)
+                    ok = -1;
+                Py_DECREF(copied);
+            }
+        }
+    }
+    else {
+        out = PyList_GetSlice(v, 0, PyList_GET_SIZE(v));
+        Py_ssize_t i;
+        PyObject *copied;
+        for (i = 0; out != NULL && ok == 1 && i < PyList_GET_SIZE(out); i++) {
+            *budget -= 1; /* ',' */
+            ok = check_item(PyList_GET_ITEM(out, i), depth, max_depth, budget, &copied);
+            if (copied != NULL)
+                PyList_SetItem(out, i, copied); /* steals copied, releases the shared item */
+        }
+    }
+    Py_LeaveRecursiveCall();
+    if (out != NULL && (ok != 1 || *budget < 0)) {
+        Py_DECREF(out);
+        out = NULL;
+    }
+    return out;
+}
+
+static PyObject *
+plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "plain_copy(value, max_depth, max_bytes) takes 3 arguments");
+        return NULL;
+    }
+    int overflow;
+    long max_depth = PyLong_AsLongAndOverflow(args[1], &overflow);
+    if (max_depth == -1 && PyErr_Occurred())
+        return NULL;
+    if (overflow > 0 || max_depth > INT_MAX)
+        max_depth = INT_MAX;
+    Py_ssize_t budget = PyLong_AsSsize_t(args[2]);
+    if (budget == -1 && PyErr_Occurred())
+        return NULL;
+    if (Py_TYPE(args[0]) != &PyDict_Type || max_depth < 1)
+        Py_RETURN_NONE;
+    PyObject *out = copy_container(args[0], 1, (int)max_depth, &budget);
+    if (out == NULL && !PyErr_Occurred())
+        Py_RETURN_NONE;
+    return out;
+}
+
+static PyMethodDef plain_methods[] = {
+    {"plain_copy", (PyCFunction)(void (*)(void))plain_copy, METH_FASTCALL,
+     "plain_copy(value, max_depth, max_bytes) -> dict | None\n\n"
+     "A deep copy of a plain JSON object within the bounds, or None."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef plain_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "agent_backend.schema._plain",
+    .m_doc = "The accelerated copy of plain JSON arguments (see agent_backend/schema/plain.py).",
+    .m_size = 0,
+    .m_methods = plain_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__plain(void)
+{
+    return PyModule_Create(&plain_module);
+}

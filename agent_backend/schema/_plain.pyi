@@ -1,0 +1,3 @@
+from typing import Any
+
+def plain_copy(value: Any, max_depth: int, max_bytes: int, /) -> dict[str, Any] | None: ...

@@ -1,0 +1,75 @@
+"""The fast path's copy of dict arguments: a deep copy of a plain JSON object, or ``None``.
+
+:func:`plain_copy` ``(value, max_depth, max_bytes)`` returns a deep copy of
+``value`` when it is a plain JSON object (exact ``dict``/``list`` containers,
+exact ``str`` keys, exact ``str``, ``int`` within 64 bits, finite ``float``,
+``bool``, ``None``) no deeper than ``max_depth`` levels (the top object is
+level 1) and no larger than ``max_bytes`` as compact JSON. Anything else gives
+``None`` and the caller takes the checked path, which names what is wrong.
+
+Two implementations give the same answers (``tests/test_schema_plain.py``):
+the C extension ``_plain`` (built by ``setup.py`` when a compiler is there;
+one pass that copies and checks), and the pure-Python one below (orjson
+checks and sizes; several times slower on small objects). :data:`ACCELERATED` says
+which one is in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from agent_backend.schema.parse import PLAIN_ONLY, has_non_finite, shallow_enough
+
+__all__ = ["ACCELERATED", "plain_copy", "plain_copy_python"]
+
+#: Subclasses of str, int, dict and list go to ``default`` (there is none, so
+#: orjson raises): only exact types pass, as in the C implementation.
+_EXACT_ONLY = PLAIN_ONLY | orjson.OPT_PASSTHROUGH_SUBCLASS
+_SCALAR_TYPES = frozenset((str, int, float, bool, type(None)))
+
+
+def plain_copy_python(value: Any, max_depth: int, max_bytes: int) -> dict[str, Any] | None:
+    """The pure-Python :func:`plain_copy`: orjson checks, sizes and (when nested) copies.
+
+    orjson refuses subclasses of str, int, dict and list here, integers beyond
+    64 bits and strings that are not UTF-8. The encoding tells the value's
+    shape without a Python-level walk: one ``{`` and no ``[`` means no
+    container inside (a bracket in a string only sends it the slower way), so
+    once the values' types are plain a shallow copy is a full copy; no
+    ``null`` means no NaN or infinity either (orjson writes them as null).
+    Anything nested is decoded back (a deep copy) and compared with the
+    original: what orjson converts quietly (NaN to null, tuples to lists,
+    enums and UUIDs to their values) makes the copy differ, and is refused.
+    """
+    if type(value) is not dict or max_depth < 1:
+        return None
+    try:
+        encoded = orjson.dumps(value, None, _EXACT_ONLY)  # positional: no keyword parsing
+    except TypeError:
+        return None
+    if len(encoded) > max_bytes:
+        return None
+    # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
+    if 91 not in encoded and encoded.rfind(123) == 0:
+        if not _SCALAR_TYPES.issuperset(map(type, value.values())):
+            return None  # an enum, a UUID: orjson wrote its value
+        if encoded.find(b"null") >= 0 and has_non_finite(value):
+            return None
+        return {**value}
+    copied = orjson.loads(encoded)
+    if copied != value or not shallow_enough(encoded, copied, max_depth):
+        return None
+    return copied  # type: ignore[no-any-return]
+
+
+plain_copy: Callable[[Any, int, int], dict[str, Any] | None]
+try:
+    from agent_backend.schema._plain import plain_copy
+except ImportError:  # not built (no C compiler at install): same answers, slower
+    plain_copy = plain_copy_python
+    ACCELERATED = False
+else:
+    ACCELERATED = True

@@ -1,0 +1,303 @@
+"""plain_copy: the C accelerator and its pure-Python equivalent give the same answers.
+
+Both return a deep copy of a plain JSON object within the limits, or None.
+The C one must also never leak or free a reference it does not own, and must
+not let a finalizer that mutates the input smuggle a non-JSON value through.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import gc
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from agent_backend.errors import ToolArgumentError
+from agent_backend.schema import compile_schema
+from agent_backend.schema import plain as plain_module
+from agent_backend.schema import prepare as prepare_module
+from agent_backend.schema.plain import ACCELERATED, plain_copy, plain_copy_python
+
+accelerated = pytest.mark.skipif(not ACCELERATED, reason="the C accelerator is not built")
+
+BIG = 10**9
+
+
+class Text(str):
+    pass
+
+
+class Number(int):
+    pass
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+class Mapping(dict[str, Any]):
+    pass
+
+
+JSON_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**64), 2**65)
+    | st.floats(width=64)  # NaN and infinities included
+    | st.text(max_size=12)
+)
+ODD = st.sampled_from(
+    [
+        (1, 2),
+        {1, 2},
+        b"bytes",
+        Text("sub"),
+        Number(3),
+        Colour.RED,
+        Mapping(a=1),
+        collections.OrderedDict(a=1),
+        "\ud800",
+        1.5j,
+    ]
+)
+
+
+def values(odd: bool) -> st.SearchStrategy[Any]:
+    leaves = (JSON_SCALARS | ODD) if odd else JSON_SCALARS
+    keys = st.text(max_size=6) | (
+        st.sampled_from([1, None, Text("k"), "\udfff"]) if odd else st.nothing()
+    )
+    return st.recursive(
+        leaves,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4),  # type: ignore[arg-type]
+        max_leaves=20,
+    )
+
+
+def objects(odd: bool) -> st.SearchStrategy[dict[Any, Any]]:
+    keys = st.text(max_size=6) | (st.sampled_from([1, Text("k")]) if odd else st.nothing())
+    return st.dictionaries(keys, values(odd), max_size=5)  # type: ignore[arg-type]
+
+
+def is_plain(value: Any) -> bool:
+    kind = type(value)
+    if kind is dict:
+        return all(type(k) is str and is_plain(k) and is_plain(v) for k, v in value.items())
+    if kind is list:
+        return all(is_plain(v) for v in value)
+    if kind is float:
+        return value - value == 0.0
+    if kind is str:
+        return not any(0xD800 <= ord(c) <= 0xDFFF for c in value)  # UTF-8 has no surrogates
+    if kind is int:
+        return -(2**63) <= value < 2**64
+    return kind is bool or value is None
+
+
+def is_json(value: Any) -> bool:
+    """Plain JSON types; unlike :func:`is_plain`, any int and any str (the checked path keeps them)."""
+    kind = type(value)
+    if kind is dict:
+        return all(type(k) is str and is_json(v) for k, v in value.items())
+    if kind is list:
+        return all(is_json(v) for v in value)
+    if kind is float:
+        return value - value == 0.0
+    return kind in (str, int, bool) or value is None
+
+
+def containers(value: Any) -> Iterator[int]:
+    if type(value) in (dict, list):
+        yield id(value)
+        for child in value.values() if type(value) is dict else value:
+            yield from containers(child)
+
+
+def depth_of(levels: int) -> dict[str, Any]:
+    value: Any = 1
+    for index in range(levels - 1):
+        value = {"d": value} if index % 2 else [value]
+    return {"top": value}
+
+
+IMPLEMENTATIONS: list[Callable[[Any, int, int], dict[str, Any] | None]] = [plain_copy_python]
+if ACCELERATED:
+    IMPLEMENTATIONS.append(plain_copy)
+
+
+@pytest.mark.parametrize("copy", IMPLEMENTATIONS, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
+class TestEachImplementation:
+    @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(objects(odd=True))
+    def test_a_copy_is_equal_plain_and_unshared(self, copy: Any, value: dict[Any, Any]) -> None:
+        result = copy(value, 64, BIG)
+        if result is None:
+            assert not is_plain(value) or len(orjson.dumps(value)) > BIG
+            return
+        assert is_plain(value)
+        assert is_plain(result)
+        assert result == value
+        assert not set(containers(result)) & set(containers(value))
+
+    @given(objects(odd=False))
+    def test_plain_objects_are_always_copied(self, copy: Any, value: dict[str, Any]) -> None:
+        if not is_plain(value):  # NaN or an integer beyond 64 bits
+            assert copy(value, 64, BIG) is None
+        else:
+            assert copy(value, 64, BIG) == value
+
+    @pytest.mark.parametrize("levels", [1, 2, 5, 64])
+    def test_depth_bound_is_exact(self, copy: Any, levels: int) -> None:
+        nested = depth_of(levels)  # the top object is level 1
+        assert copy(nested, levels, BIG) == nested
+        assert copy(nested, levels - 1, BIG) is None
+
+    def test_size_bound_is_never_exceeded(self, copy: Any) -> None:
+        value = {"text": "x" * 1000, "n": [1.25, -7, True, None, 'q"\n\\é中😀']}
+        size = len(orjson.dumps(value))
+        assert copy(value, 64, size - 1) is None
+        assert copy(value, 64, 24 * size) == value
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            {"a": 2**63 - 1},
+            {"a": -(2**63)},
+            {"a": 2**64 - 1},
+            {"a": 1.7976931348623157e308},
+            {"a": -0.0},
+            {"": ""},
+            {},
+        ],
+    )
+    def test_edges_that_are_plain(self, copy: Any, value: dict[str, Any]) -> None:
+        assert copy(value, 64, BIG) == value
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            {"a": 2**64},
+            {"a": -(2**63) - 1},
+            {"a": float("nan")},
+            {"a": [float("-inf")]},
+            {"a": {"b": (1,)}},
+            {"a": "\ud800"},
+            {"\ud800": 1},
+            {"a": Text("x")},
+            {"a": Number(1)},
+            {"a": Colour.RED},
+            {"a": [Mapping()]},
+            {1: "a"},
+            Mapping(a=1),
+            [1],
+            "text",
+        ],
+    )
+    def test_anything_else_is_refused(self, copy: Any, value: Any) -> None:
+        assert copy(value, 64, BIG) is None
+
+    def test_a_cycle_is_refused_by_the_depth_bound(self, copy: Any) -> None:
+        value: dict[str, Any] = {}
+        value["self"] = value
+        assert copy(value, 64, BIG) is None
+        assert copy(value, 10**6, BIG) is None  # the C stack guard, or orjson's own
+
+
+@given(objects(odd=True), st.integers(1, 6), st.integers(0, 400))
+@settings(max_examples=500, deadline=None)
+@accelerated
+def test_c_and_python_agree(value: dict[Any, Any], max_depth: int, max_bytes: int) -> None:
+    fast = plain_copy(value, max_depth, max_bytes)
+    slow = plain_copy_python(value, max_depth, max_bytes)
+    if fast is not None:  # the C bound is never under the exact size
+        assert slow == fast
+    if slow is not None and 24 * len(orjson.dumps(slow)) <= max_bytes:
+        assert fast == slow
+
+
+@accelerated
+def test_references_are_neither_leaked_nor_stolen() -> None:
+    leaf = "a string only this test holds " * 3
+    number = 10**15 + 7
+    accepted = {"a": [leaf, {"b": leaf, "n": number}], "c": leaf}
+    refused = {"a": [leaf, {"b": leaf, "n": number}], "z": [leaf, float("nan")]}
+    before = sys.getrefcount(leaf), sys.getrefcount(number)
+    for _ in range(1000):
+        assert plain_copy(accepted, 64, BIG) == accepted
+        assert plain_copy(refused, 64, BIG) is None
+        assert plain_copy(accepted, 2, BIG) is None
+        assert plain_copy(accepted, 64, 10) is None
+    assert (sys.getrefcount(leaf), sys.getrefcount(number)) == before
+
+
+@accelerated
+def test_a_finalizer_mutating_the_input_cannot_smuggle_a_value_in() -> None:
+    """A collection triggered by the copy's allocations runs Python code; it may change the
+    input, but what comes back is either None or a plain copy."""
+    inner: list[Any] = [1, 2, 3]
+    value = {"list": inner, "nested": [{"k": i} for i in range(50)]}
+
+    def mutate(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and len(inner) < 200:
+            inner.append({1, 2})  # not JSON
+            inner.insert(0, {"x": (1,)})
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(mutate)
+    gc.set_threshold(1, 1, 1)
+    try:
+        results = [plain_copy(value, 64, BIG) for _ in range(50)]
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(mutate)
+    assert len(inner) > 3  # the callback did run during the copies
+    assert all(result is None or is_plain(result) for result in results)
+
+
+def test_the_accelerator_is_built_under_ci() -> None:
+    if os.environ.get("CI") == "true":
+        assert ACCELERATED, (
+            "CI=true: agent_backend.schema._plain was not built (is a C compiler installed?)"
+        )
+    assert plain_module.plain_copy is (plain_copy if ACCELERATED else plain_copy_python)
+
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "opts": {"type": "object", "properties": {"x": {"type": "number"}}},
+        },
+        "required": ["n"],
+    },
+    {"type": "object", "additionalProperties": {"type": ["string", "null"]}},
+    {"type": "object"},
+]
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+@given(value=objects(odd=True))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_prepare_answers_the_same_with_either_copy(index: int, value: dict[Any, Any]) -> None:
+    compiled = compile_schema(SCHEMAS[index])
+    answers = []
+    for copy in IMPLEMENTATIONS:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(prepare_module, "plain_copy", copy)
+            try:
+                answers.append(("ok", compiled.prepare(value)))
+            except ToolArgumentError as exc:
+                answers.append(("error", [issue.pointer for issue in exc.issues]))
+    assert all(answer == answers[0] for answer in answers), answers
+    if answers[0][0] == "ok":
+        assert is_json(answers[0][1])

@@ -64,6 +64,6 @@ def slow_local_disk(monkeypatch: pytest.MonkeyPatch, host: object, seconds: floa
 
         return slow
 
-    for name in ("_rmtree", "_read_file", "_write_file", "_list_dir"):
+    for name in ("remove_tree", "sweep_dead_owners", "_read_file", "_write_file", "_list_dir"):
         monkeypatch.setattr(local_backend, name, slowed(getattr(local_backend, name)))
     monkeypatch.setattr(host, "_mkdtemp", slowed(host._mkdtemp))  # type: ignore[attr-defined]

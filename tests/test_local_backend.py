@@ -320,7 +320,8 @@ async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: 
     await backend.start()
     host = backend.host
     workspaces = [await host.make_workspace() for _ in range(3)]
-    assert len(entries(root)) == 4  # three workspaces and the scratch directory
+    # three workspaces, the scratch directory and the owner lock (local_owner.py)
+    assert len(entries(root)) == 5
     pid_file = tmp_path / "pid"
     errors: list[BaseException] = []
 

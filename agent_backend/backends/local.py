@@ -26,7 +26,6 @@ import dataclasses
 import errno
 import logging
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -40,6 +39,7 @@ import anyio.abc
 import anyio.to_thread
 import pydantic
 
+from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
 from agent_backend.dispatch.backend import (
     Backend,
     Command,
@@ -206,26 +206,6 @@ def _busy_result(host: str, duration: float) -> CommandResult:
     )
 
 
-def _rmtree(path: str) -> None:
-    """Remove ``path`` and everything in it, even directories the command made unwritable."""
-    try:
-        shutil.rmtree(path)
-        return
-    except FileNotFoundError:
-        return
-    except PermissionError:
-        pass
-    # A tool may have chmod'ed directories read-only; make ours writable and try again.
-    for root, dirs, _files in os.walk(path):
-        for name in dirs:
-            child = os.path.join(root, name)
-            if not os.path.islink(child):
-                with contextlib.suppress(OSError):
-                    os.chmod(child, 0o700)
-    os.chmod(path, 0o700)
-    shutil.rmtree(path)
-
-
 def _read_file(path: str, limit: int) -> FileData:
     # O_NONBLOCK: opening a FIFO must not hang a worker thread forever.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -296,6 +276,8 @@ class LocalHost(Host):
         self._active = 0
         self._queued = 0
         self._workspaces: set[str] = set()
+        # Held from start to close: lets a later backend tell our directories from a dead one's.
+        self._owner: OwnerLock | None = None
         # Calls in flight, so that aclose() can end them (their processes die with them).
         self._calls: set[anyio.CancelScope] = set()
         self._calls_done: anyio.Event | None = None
@@ -339,11 +321,17 @@ class LocalHost(Host):
         try:
             if root is not None:
                 await anyio.to_thread.run_sync(_make_dir, root)
-            if self.config.default_cwd is None:
-                self._scratch = await anyio.to_thread.run_sync(
-                    self._mkdtemp, "agent-backend-scratch-"
-                )
-            elif not await anyio.Path(self.config.default_cwd).is_dir():
+            base = root if root is not None else tempfile.gettempdir()
+            if self._owner is None:
+                self._owner = await anyio.to_thread.run_sync(OwnerLock.acquire, base)
+                # Workspaces of backends that died without closing (killed, OOM) go now.
+                await anyio.to_thread.run_sync(sweep_dead_owners, base)
+            if self.config.default_cwd is None and self._scratch is None:
+                self._scratch = await anyio.to_thread.run_sync(self._mkdtemp, "scratch")
+            elif (
+                self.config.default_cwd is not None
+                and not await anyio.Path(self.config.default_cwd).is_dir()
+            ):
                 raise BackendUnavailable(
                     f"default_cwd {self.config.default_cwd!r} is not a directory", backend="local"
                 )
@@ -353,8 +341,11 @@ class LocalHost(Host):
             ) from exc
         self._started = True
 
-    def _mkdtemp(self, prefix: str) -> str:
-        return os.path.realpath(tempfile.mkdtemp(prefix=prefix, dir=self.config.workspace_root))
+    def _mkdtemp(self, kind: str) -> str:
+        owner = self._owner
+        if owner is None:  # closed while the directory was being asked for
+            raise PoolClosed("the local backend is closed")
+        return os.path.realpath(tempfile.mkdtemp(prefix=owner.prefix(kind), dir=owner.root))
 
     async def aclose(self) -> None:
         """End every call in flight, then remove every workspace left; idempotent."""
@@ -376,11 +367,20 @@ class LocalHost(Host):
                     leftovers.append(self._scratch)
                 self._workspaces.clear()
                 self._scratch = None
+                complete = True
                 for path in leftovers:
                     try:
-                        await anyio.to_thread.run_sync(_rmtree, path)
+                        await anyio.to_thread.run_sync(remove_tree, path)
                     except OSError as exc:
+                        complete = False
                         logger.warning("could not remove %s at close: %s", path, exc)
+                if self._owner is not None:
+                    owner, self._owner = self._owner, None
+                    # Released either way; with a workspace left, the lock file stays and the
+                    # next backend to start in this root removes it (as a dead owner's).
+                    await anyio.to_thread.run_sync(
+                        owner.release if complete else owner.release_lock_only
+                    )
         finally:
             self._closed.set()
 
@@ -553,9 +553,9 @@ class LocalHost(Host):
             # Shielded so that a cancellation cannot lose a directory just made:
             # once tracked, it is removed by remove_workspace or at close.
             with anyio.CancelScope(shield=True):
-                path = await anyio.to_thread.run_sync(self._mkdtemp, "agent-backend-ws-")
+                path = await anyio.to_thread.run_sync(self._mkdtemp, "ws")
                 if self._closing:  # closed while the thread ran: do not leak it
-                    await anyio.to_thread.run_sync(_rmtree, path)
+                    await anyio.to_thread.run_sync(remove_tree, path)
                     raise PoolClosed("the local backend is closed")
                 self._workspaces.add(path)
         except OSError as exc:
@@ -569,7 +569,7 @@ class LocalHost(Host):
         if path not in self._workspaces:
             return
         self._workspaces.discard(path)
-        await anyio.to_thread.run_sync(_rmtree, path)
+        await anyio.to_thread.run_sync(remove_tree, path)
 
     async def realpath(self, path: str) -> str:
         self._check_open()

@@ -294,6 +294,17 @@ async def test_a_pool_the_cluster_cannot_hold_fails_at_start(ray_cluster: RayClu
     assert info.value.available["GPU"] == 2.0
 
 
+async def test_a_failed_start_closes_the_pool_without_async_with(ray_cluster: RayCluster) -> None:
+    pool = RayBackend.from_config(pool_config(replicas=3, num_gpus=1))
+    with pytest.raises(ResourceUnavailable):
+        await pool.start()
+    assert pool.is_closed()
+    assert pool.statistics().actors_live == 0
+    with pytest.raises(PoolError, match="already started"):
+        await pool.start()
+    await pool.aclose()  # idempotent
+
+
 # -- lifecycle ------------------------------------------------------------------------------------
 
 

@@ -468,11 +468,16 @@ class RayBackend(Backend):
         if self._state != "new":
             raise PoolError(f"the Ray pool {self.config.name!r} was already started")
         self._state = "starting"
-        await anyio.to_thread.run_sync(self._connect)
-        self._check_cluster(await anyio.to_thread.run_sync(ray.cluster_resources))
-        self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-        described = await self._actors.start(self._tasks)
-        self._learn_tools(described[0])
+        try:
+            await anyio.to_thread.run_sync(self._connect)
+            self._check_cluster(await anyio.to_thread.run_sync(ray.cluster_resources))
+            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+            described = await self._actors.start(self._tasks)
+            self._learn_tools(described[0])
+        except BaseException:
+            # Not only under `async with`: a failed start leaves no actor, task or local Ray.
+            await self.aclose()
+            raise
         self._state = "open"
 
     def _connect(self) -> None:

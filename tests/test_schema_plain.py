@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent_backend.errors import ToolArgumentError
-from agent_backend.schema import compile_schema
+from agent_backend.errors import ConfigError, ToolArgumentError
+from agent_backend.schema import Limits, compile_schema
 from agent_backend.schema import plain as plain_module
 from agent_backend.schema import prepare as prepare_module
 from agent_backend.schema.plain import ACCELERATED, plain_copy, plain_copy_python
@@ -239,27 +239,109 @@ def test_references_are_neither_leaked_nor_stolen() -> None:
 
 
 @accelerated
-def test_a_finalizer_mutating_the_input_cannot_smuggle_a_value_in() -> None:
-    """A collection triggered by the copy's allocations runs Python code; it may change the
-    input, but what comes back is either None or a plain copy."""
-    inner: list[Any] = [1, 2, 3]
-    value = {"list": inner, "nested": [{"k": i} for i in range(50)]}
+def test_no_python_code_runs_inside_the_copy() -> None:
+    """A collection (triggered by an allocation) runs gc callbacks and finalizers: code that
+    could find the copies being built (gc.get_referrers) and change or free what was checked.
+    The collector is off for the call, so none runs inside it; it is back on afterwards."""
+    sentinel = "sentinel-" + str(id(object()))
+    inner: list[Any] = [sentinel, [1], {"k": [2]}]
+    value = {"a": inner, "nested": [{"k": i} for i in range(50)]}
+    inside = [False]
+    ran_inside: list[bool] = []
 
-    def mutate(phase: str, info: dict[str, Any]) -> None:
-        if phase == "start" and len(inner) < 200:
-            inner.append({1, 2})  # not JSON
-            inner.insert(0, {"x": (1,)})
+    def meddle(phase: str, info: dict[str, Any]) -> None:
+        if phase != "start":
+            return
+        ran_inside.append(inside[0])
+        if not inside[0]:
+            return  # between calls: the caller's own objects, not the copy's business
+        for holder in gc.get_referrers(sentinel):
+            if type(holder) is list and holder is not inner and holder and holder[0] is sentinel:
+                holder[0] = {1, 2}  # not JSON: had this run inside, a checked slot would change
+                holder.clear()
 
     threshold = gc.get_threshold()
-    gc.callbacks.append(mutate)
+    gc.callbacks.append(meddle)
     gc.set_threshold(1, 1, 1)
     try:
-        results = [plain_copy(value, 64, BIG) for _ in range(50)]
+        for _ in range(100):
+            hold = [([], {}) for _ in range(100)]  # drain the free lists: the copies are allocated
+            inside[0] = True
+            result = plain_copy(value, 64, BIG)
+            inside[0] = False
+            assert result is not None
+            assert result["a"][0] is sentinel  # checked before any allocation can collect
+            assert gc.isenabled()
+            del hold, result
     finally:
         gc.set_threshold(*threshold)
-        gc.callbacks.remove(mutate)
-    assert len(inner) > 3  # the callback did run during the copies
-    assert all(result is None or is_plain(result) for result in results)
+        gc.callbacks.remove(meddle)
+    assert ran_inside  # collections did run, between the calls
+    assert not any(ran_inside)
+
+
+def test_colliding_keys_with_their_own_eq_are_refused_without_calling_it() -> None:
+    """Copying a dict with deleted entries compares keys of equal hash: never a user's __eq__."""
+    armed = [False]
+
+    class Key:
+        def __hash__(self) -> int:
+            return 7
+
+        def __eq__(self, other: object) -> bool:
+            if armed[0]:
+                raise AssertionError("__eq__ ran inside plain_copy")
+            return self is other
+
+    def dirty() -> dict[Any, Any]:
+        value: dict[Any, Any] = {"x1": 0, "x2": 0, "x3": 0, Key(): 1, Key(): 2}
+        for key in ("x1", "x2", "x3"):
+            del value[key]
+        return value
+
+    top, nested = dirty(), {"ok": [dirty()]}
+    armed[0] = True
+    for copy in IMPLEMENTATIONS:
+        assert copy(top, 64, BIG) is None
+        assert copy(nested, 64, BIG) is None
+
+
+@pytest.mark.parametrize("copy", IMPLEMENTATIONS, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
+def test_bounds_at_the_edges_of_their_range(copy: Any) -> None:
+    value = {"a": "x" * 1000}
+    for max_bytes in (-(2**63), -(2**63) + 1, -(2**64), -1, 0, 1):
+        assert copy(value, 64, max_bytes) is None  # the budget never wraps around
+    assert copy({}, 64, 1) is None
+    assert copy({}, 64, 2) == {}
+    for max_bytes in (2**63, 10**30):
+        assert copy(value, 64, max_bytes) == value
+    for max_depth in (2**31, 10**30):
+        assert copy(value, max_depth, BIG) == value
+    for max_depth in (0, -1, -(2**70)):
+        assert copy(value, max_depth, BIG) is None
+
+
+def test_deeper_than_orjson_goes_to_the_checked_path() -> None:
+    """orjson refuses 254 levels; so does either copy, and the checked path takes it (this also
+    bounds the C recursion whatever Limits.max_depth says)."""
+    deep: Any = 1
+    for _ in range(299):
+        deep = [deep]
+    value = {"a": deep}
+    for copy in IMPLEMENTATIONS:
+        assert copy(value, 10**6, BIG) is None
+    compiled = compile_schema({"type": "object"}, limits=Limits(max_depth=400))
+    assert compiled.prepare(value) == value
+    with pytest.raises(ToolArgumentError, match="deeper than 299"):
+        compile_schema({"type": "object"}, limits=Limits(max_depth=299)).prepare(value)
+
+
+@pytest.mark.parametrize("field", ["max_bytes", "max_depth", "max_issues"])
+@pytest.mark.parametrize("bad", [0, -1, 1.5, float("inf"), True, "10"])
+def test_limits_must_be_positive_integers(field: str, bad: Any) -> None:
+    with pytest.raises(ConfigError, match=f"Limits.{field}") as info:
+        Limits(**{field: bad})
+    assert info.value.key == field
 
 
 def test_the_accelerator_is_built_under_ci() -> None:

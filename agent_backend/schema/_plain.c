@@ -10,11 +10,15 @@
  * Returns None for anything else: the caller then takes its checked path,
  * which says what is wrong. Never raises for bad input (only MemoryError).
  *
- * Each container is copied first (PyDict_Copy, PyList_GetSlice: no Python
- * code runs while they copy) and its private copy is then checked and its
- * nested containers replaced by their own checked copies. A finalizer run
- * by an allocation cannot change what is checked: nobody else holds the
- * copies. Scalars are immutable and shared with the input.
+ * No Python code runs while it works, so nothing can change what it checked
+ * or reach what it built: the garbage collector is off for the call (a
+ * collection runs callbacks and finalizers), and a dict's keys are checked
+ * to be exact str before the dict is copied (copying compares colliding
+ * keys with __eq__ otherwise). Each container is copied first (PyDict_Copy,
+ * PyList_GetSlice), then its copy is checked and its nested containers
+ * replaced by their own checked copies. Scalars are immutable and shared
+ * with the input. Nesting is bounded by orjson's own limit too (it refuses
+ * 254 levels), which also bounds the C recursion.
  *
  * agent_backend/schema/plain.py has the pure-Python equivalent, used when
  * this module is not built; tests/test_schema_plain.py holds both to the
@@ -23,6 +27,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+
+/* orjson refuses to encode 254 levels or more; deeper input takes the checked path. */
+#define ORJSON_MAX_DEPTH 253
 
 /* Upper bound of the compact JSON size of a str (quotes included); -1 if it
  * holds a lone surrogate, which is not UTF-8 and orjson refuses. */
@@ -109,7 +116,9 @@ check_item(PyObject *item, int depth, int max_depth, Py_ssize_t *budget, PyObjec
     PyTypeObject *t = Py_TYPE(item);
     *copied = NULL;
     if (t == &PyDict_Type || t == &PyList_Type) {
+        Py_INCREF(item); /* borrowed from a copy only we hold; held anyway while we recurse */
         *copied = copy_container(item, depth + 1, max_depth, budget);
+        Py_DECREF(item);
         if (*copied == NULL)
             return PyErr_Occurred() ? -1 : 0;
         return 1;
@@ -134,11 +143,19 @@ copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
     int ok = 1;
     *budget -= 2;
     if (Py_TYPE(v) == &PyDict_Type) {
-        out = PyDict_Copy(v);
         Py_ssize_t pos = 0;
         PyObject *key, *value, *copied;
+        /* Exact str keys first: PyDict_Copy may compare other keys with their __eq__. */
+        while (PyDict_Next(v, &pos, &key, &value)) {
+            if (!PyUnicode_CheckExact(key)) {
+                Py_LeaveRecursiveCall();
+                return NULL;
+            }
+        }
+        out = PyDict_Copy(v);
+        pos = 0;
         while (out != NULL && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
-            Py_ssize_t size = PyUnicode_CheckExact(key) ? str_bound(key) : -1;
+            Py_ssize_t size = str_bound(key);
             if (size < 0) {
                 ok = 0;
                 break;
@@ -160,8 +177,8 @@ copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
         for (i = 0; out != NULL && ok == 1 && i < PyList_GET_SIZE(out); i++) {
             *budget -= 1; /* ',' */
             ok = check_item(PyList_GET_ITEM(out, i), depth, max_depth, budget, &copied);
-            if (copied != NULL)
-                PyList_SetItem(out, i, copied); /* steals copied, releases the shared item */
+            if (copied != NULL && PyList_SetItem(out, i, copied) < 0) /* steals copied */
+                ok = -1;
         }
     }
     Py_LeaveRecursiveCall();
@@ -180,17 +197,24 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int overflow;
-    long max_depth = PyLong_AsLongAndOverflow(args[1], &overflow);
+    long long max_depth = PyLong_AsLongLongAndOverflow(args[1], &overflow);
     if (max_depth == -1 && PyErr_Occurred())
         return NULL;
-    if (overflow > 0 || max_depth > INT_MAX)
-        max_depth = INT_MAX;
-    Py_ssize_t budget = PyLong_AsSsize_t(args[2]);
-    if (budget == -1 && PyErr_Occurred())
+    if (overflow > 0 || max_depth > ORJSON_MAX_DEPTH)
+        max_depth = ORJSON_MAX_DEPTH;
+    long long max_bytes = PyLong_AsLongLongAndOverflow(args[2], &overflow);
+    if (max_bytes == -1 && PyErr_Occurred())
         return NULL;
-    if (Py_TYPE(args[0]) != &PyDict_Type || max_depth < 1)
+    if (overflow > 0 || max_bytes > PY_SSIZE_T_MAX / 2)
+        max_bytes = PY_SSIZE_T_MAX / 2; /* no bound in practice; room below it for the sums */
+    /* Less than "{}" fits nothing; the check also keeps the budget from wrapping around. */
+    if (Py_TYPE(args[0]) != &PyDict_Type || max_depth < 1 || overflow < 0 || max_bytes < 2)
         Py_RETURN_NONE;
+    Py_ssize_t budget = (Py_ssize_t)max_bytes;
+    int collecting = PyGC_Disable(); /* a collection would run Python code (see the top) */
     PyObject *out = copy_container(args[0], 1, (int)max_depth, &budget);
+    if (collecting)
+        PyGC_Enable();
     if (out == NULL && !PyErr_Occurred())
         Py_RETURN_NONE;
     return out;

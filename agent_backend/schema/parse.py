@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from agent_backend.errors import ArgumentIssue, ToolArgumentError
+from agent_backend.errors import ArgumentIssue, ConfigError, ToolArgumentError
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -51,6 +51,16 @@ class Limits:
     """Deepest nesting of objects/arrays accepted (the top-level object is depth 1)."""
     max_issues: int = 20
     """Most validation problems collected into one error."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_bytes", "max_depth", "max_issues"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(
+                    f"Limits.{name} must be a positive integer, not {value!r}",
+                    key=name,
+                    expected="a positive integer",
+                )
 
 
 DEFAULT_LIMITS = Limits()

@@ -349,7 +349,10 @@ def test_the_accelerator_is_built_under_ci() -> None:
         assert ACCELERATED, (
             "CI=true: agent_backend.schema._plain was not built (is a C compiler installed?)"
         )
-    assert plain_module.plain_copy is (plain_copy if ACCELERATED else plain_copy_python)
+    # The fast path calls the implementation plain.py selected: the compiled one when built.
+    assert prepare_module.plain_copy is plain_module.plain_copy
+    expected = "agent_backend.schema._plain" if ACCELERATED else "agent_backend.schema.plain"
+    assert plain_module.plain_copy.__module__ == expected
 
 
 SCHEMAS = [

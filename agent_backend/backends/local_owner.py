@@ -82,10 +82,6 @@ class OwnerLock:
         """The name prefix of this owner's directories of ``kind`` (``ws`` or ``scratch``)."""
         return f"{_PREFIX}{kind}-{self.token}-"
 
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
-
     def release(self) -> None:
         """Remove the lock file and drop the lock; idempotent. Remove the directories first."""
         self._drop(unlink=True)

@@ -27,7 +27,6 @@ __all__ = [
     "Limits",
     "check_depth",
     "has_big_float",
-    "has_lone_surrogate",
     "has_non_finite",
     "json_type_name",
     "load_json_value",
@@ -116,7 +115,7 @@ def load_json_value(text: str | bytes) -> Any:
         raise ValueError(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except (ValueError, RecursionError) as exc:
         raise ValueError(str(exc) if not isinstance(exc, RecursionError) else fast_reason) from None
-    if fast_reason and (has_non_finite([value]) or has_lone_surrogate(value)):
+    if fast_reason and _orjson_refuses(value):
         raise ValueError(fast_reason)
     return value
 
@@ -221,19 +220,24 @@ def lone_surrogate(text: str) -> str | None:
     return None if found is None else f"U+{ord(found.group()):04X}"
 
 
-def has_lone_surrogate(value: Any) -> bool:
-    """Whether a parsed JSON value holds a lone surrogate in any string or key (iterative)."""
+def _orjson_refuses(value: Any) -> bool:
+    """Whether a value the standard library read holds what orjson refuses to read: a non-finite
+    float (``1e400``) or a lone surrogate in a string or key (one iterative walk)."""
     stack = [value]
     while stack:
         node = stack.pop()
-        if type(node) is dict:
+        kind = type(node)
+        if kind is dict:
             for key, child in node.items():
                 if lone_surrogate(key) is not None:
                     return True
                 stack.append(child)
-        elif type(node) is list:
+        elif kind is list:
             stack.extend(node)
-        elif type(node) is str and lone_surrogate(node) is not None:
+        elif kind is str:
+            if lone_surrogate(node) is not None:
+                return True
+        elif kind is float and node - node != 0.0:  # inf - inf is nan
             return True
     return False
 

@@ -13,7 +13,8 @@ pydantic-generated schema with ``$defs``, interleaved in one run:
 ``prepare_arguments`` copies dict arguments with the C accelerator when it is
 built (``agent_backend.schema.plain.ACCELERATED``); a second pass over the BFCL
 pairs times the valid dict with the pure-Python copy, side by side with
-jsonschema again, as a reference for installs without a C compiler.
+jsonschema again, as a reference for installs without a C compiler, and a
+third times the parts of the fast path alone (where a valid dict's time goes).
 
 Then the BFCL corruption round trip and the JSON Schema test suite
 equivalence (resolved vs original verdicts). The machine is shared and noisy:
@@ -38,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import jsonschema  # noqa: E402
+import jsonschema_rs  # noqa: E402
+import orjson  # noqa: E402
 import pydantic  # noqa: E402
 from realworld import (  # noqa: E402
     bfcl_cases,
@@ -49,7 +52,7 @@ from realworld import (  # noqa: E402
 from agent_backend.errors import AgentBackendError  # noqa: E402
 from agent_backend.schema import compile_schema, prepare_arguments  # noqa: E402
 from agent_backend.schema import prepare as prepare_module  # noqa: E402
-from agent_backend.schema.plain import ACCELERATED, plain_copy_python  # noqa: E402
+from agent_backend.schema.plain import ACCELERATED, plain_copy, plain_copy_python  # noqa: E402
 
 
 class Address(pydantic.BaseModel):
@@ -154,6 +157,31 @@ def python_copy_ratio(
     finally:
         prepare_module.plain_copy = saved
     return statistics.median(ratios)
+
+
+def fast_path_parts(
+    cases: list[tuple[str, dict[str, Any], dict[str, Any], dict[str, Any] | None]], repeats: int
+) -> None:
+    """Where a valid dict's time goes: the parts of the fast path, timed alone on each pair."""
+    parts: dict[str, list[float]] = {}
+    for _, schema, args, _ in cases:
+        rs_is_valid = jsonschema_rs.validator_for(schema).is_valid
+        timings = measure(
+            {
+                "prepare_arguments (valid dict)": lambda: prepare_arguments(schema, args),  # noqa: B023
+                "  jsonschema-rs is_valid": lambda: rs_is_valid(args),  # noqa: B023
+                "  plain_copy (C)": lambda: plain_copy(args, 64, 1_000_000),  # noqa: B023
+                "  plain_copy_python": lambda: plain_copy_python(args, 64, 1_000_000),  # noqa: B023
+                "    orjson.dumps": lambda: orjson.dumps(args),  # noqa: B023
+                "    dict copy {**args}": lambda: {**args},  # noqa: B023
+            },
+            repeats,
+        )
+        for name, seconds in timings.items():
+            parts.setdefault(name, []).append(seconds)
+    print("  where a valid dict's time goes (each part alone, median over the pairs):")
+    for name, values in parts.items():
+        print(f"    {name:34} {us(statistics.median(values))}")
 
 
 def pick_cases(
@@ -266,6 +294,7 @@ def main() -> int:
                 f"  ratio jsonschema is_valid / prepare (valid dict), pure-Python copy: median {reference:6.1f}x"
                 "  (second pass; what an install without a C compiler gets)"
             )
+            fast_path_parts(cases, options.repeats)
         figures.append(
             (
                 f"BFCL valid: prepare_arguments {bfcl['speedup_dict']:.1f}x faster than compiled is_valid (target >= 20x)",

@@ -48,7 +48,7 @@ import ray.exceptions
 
 from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
-from agent_backend.backends.ray_actors import ActorSet
+from agent_backend.backends.ray_actors import ActorSet, Replica
 from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
@@ -310,23 +310,13 @@ class RayStatistics:
     closed: bool
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class _Actor:
-    index: int
-    generation: int
-    name: str
-    ray_name: str
-    handle: Any
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
+class _Actor(Replica):
     run: Any
     """``handle.run`` with two return objects: the outcome, and the by-reference result."""
-    sentinel: Any = None
-    state: Literal["starting", "live", "dead"] = "starting"
-    in_flight: int = 0
-    served: int = 0
     pid: int | None = None
     node: str | None = None
     gpu_ids: tuple[str, ...] = ()
-    cause: str | None = None
 
     def info(self) -> RayActorInfo:
         return RayActorInfo(
@@ -514,7 +504,14 @@ class RayBackend(Backend):
                 name, [(tool.function, tool.name) for tool in config.tools], config.inline_limit
             )
         )
-        actor = _Actor(index, generation, name, ray_name, handle, handle.run.options(num_returns=2))
+        actor = _Actor(
+            index=index,
+            generation=generation,
+            name=name,
+            ray_name=ray_name,
+            handle=handle,
+            run=handle.run.options(num_returns=2),
+        )
         actor.sentinel = handle.wait_closed.remote()
         return actor
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Generic, Literal, Protocol, TypeVar
+from typing import Any, Final, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -40,28 +41,26 @@ _STOP_WAIT: Final = 10.0
 _MAX_BACKOFF: Final = 5.0
 
 
-class Replica(Protocol):
-    """What :class:`ActorSet` reads and writes on an owner's actor entry (a dataclass)."""
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
+class Replica:
+    """One actor of a replica, as :class:`ActorSet` tracks it; owners subclass it with their
+    own fields (the Ray tool pool's ``_Actor``, the rollout workers' ``_Worker``)."""
 
-    @property
-    def index(self) -> int:
-        """The replica it serves."""
-
-    @property
-    def name(self) -> str:
-        """As errors name it."""
-
-    @property
-    def handle(self) -> Any: ...
-
-    @property
-    def sentinel(self) -> Any:
-        """A never-ending call on the actor: it fails the moment the actor dies."""
-
-    state: ActorState
-    in_flight: int
-    served: int
-    cause: str | None
+    index: int
+    """The replica it serves."""
+    generation: int
+    """0 for the replica's first actor, then one more per replacement."""
+    name: str
+    """As errors and records name it."""
+    ray_name: str
+    """Its name in Ray (unique per pool instance)."""
+    handle: Any
+    sentinel: Any = None
+    """A never-ending call on the actor: it fails the moment the actor dies."""
+    state: ActorState = "starting"
+    in_flight: int = 0
+    served: int = 0
+    cause: str | None = None
 
 
 A = TypeVar("A", bound=Replica)

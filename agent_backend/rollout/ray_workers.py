@@ -48,7 +48,7 @@ import ray
 import ray.exceptions
 
 from agent_backend.backends.ray import RayPoolConfig
-from agent_backend.backends.ray_actors import ActorSet
+from agent_backend.backends.ray_actors import ActorSet, Replica
 from agent_backend.backends.ray_runtime import (
     ACTOR_DEATHS,
     CONNECTION,
@@ -244,20 +244,10 @@ class RayRolloutStatistics:
     closed: bool
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class _Worker:
-    index: int
-    generation: int
-    name: str
-    ray_name: str
-    handle: Any
+@dataclasses.dataclass(eq=False, slots=True, kw_only=True)
+class _Worker(Replica):
     split: Any
     """``handle.run_episode_by_reference`` with two return objects: the summary, the records."""
-    sentinel: Any = None
-    state: Literal["starting", "live", "dead"] = "starting"
-    in_flight: int = 0
-    served: int = 0
-    cause: str | None = None
 
     def info(self) -> RolloutWorkerInfo:
         return RolloutWorkerInfo(
@@ -417,7 +407,14 @@ class RayRolloutWorkers(AsyncResource):
             )
         )
         split = handle.run_episode_by_reference.options(num_returns=2)
-        worker = _Worker(index, generation, name, ray_name, handle, split)
+        worker = _Worker(
+            index=index,
+            generation=generation,
+            name=name,
+            ray_name=ray_name,
+            handle=handle,
+            split=split,
+        )
         worker.sentinel = handle.wait_closed.remote()
         return worker
 

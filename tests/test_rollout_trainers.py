@@ -12,6 +12,8 @@ from agent_backend.rollout.trainers import (
     TRL_EXTRA_KEYS,
     VERL_FIELDS,
     batches,
+    episode_rows,
+    is_placeholder,
     to_trl,
     to_verl_fields,
     trl_reward,
@@ -151,3 +153,43 @@ async def test_batches_refuse_a_zero_size() -> None:
     with pytest.raises(ValueError, match=">= 1"):
         async for _ in batches(stream(1), 0):
             pass
+
+
+def test_episode_rows_one_row_per_expected_episode_in_order() -> None:
+    seg0 = traj(4, [1, 2], [3], [1], rollout_id="r4")
+    seg1 = traj(4, [1, 9], [5, 6], [1, 1], rollout_id="r4", segment_idx=1, reward=2.0)
+    records = [*BATCH, seg1, seg0, traj(5, [1], [2], [1], reward=4.0)]
+    expect = [(2, 1), (2, 0), (0, 0), (0, 1), (1, 0), (7, 0), (7, 1)]
+    rows = episode_rows(records, expect=expect, placeholder_token_id=99, failure_reward=-1.0)
+    assert [(r.prompt_index, r.sample_idx) for r in rows] == expect
+    # prompt 2: sample 0 has two segments (the last one is kept), sample 1 is real.
+    assert rows[1].segment_idx == 1 and rows[1].completion_ids == [5, 6]
+    assert rows[1].extras["segments_dropped"] == 1
+    assert not any(is_placeholder(r) for r in rows[:4])
+    # prompt 1 sample 0 ended before its first turn (no tokens): a placeholder keeping its
+    # stop reason and error; its reward is its real sibling's (prompt 1, sample 1 absent
+    # from expect, so none: failure_reward).
+    empty = rows[4]
+    assert is_placeholder(empty)
+    assert (empty.prompt_ids, empty.completion_ids, empty.completion_mask) == ([99], [99], [0])
+    assert empty.logprobs == [0.0] and empty.sampled_tokens == 0
+    assert (empty.stop_reason, empty.error) == ("rollout_error", "policy server 503")
+    assert empty.rollout_id == "r2"
+    # prompt 7 never came back (a dropped group): two placeholders at failure_reward.
+    assert all(is_placeholder(r) and r.reward == -1.0 for r in rows[5:])
+    assert "no record" in rows[5].extras["placeholder"]
+    assert len({r.rollout_id for r in rows}) == len(rows)
+
+
+def test_a_placeholder_takes_the_mean_reward_of_its_groups_real_rows() -> None:
+    records = [traj(0, [1], [2], [1], reward=1.0), traj(1, [1], [2], [1], reward=3.0)]
+    rows = episode_rows(records, expect=[(0, 0), (0, 1), (0, 2)], placeholder_token_id=0)
+    assert rows[2].reward == 2.0 and is_placeholder(rows[2])
+
+
+def test_episode_rows_refuses_a_repeated_key_and_mixed_rollouts() -> None:
+    with pytest.raises(ValueError, match="repeats"):
+        episode_rows([], expect=[(0, 0), (0, 0)], placeholder_token_id=0)
+    a, b = traj(0, [1], [2], [1]), traj(0, [1], [2], [1], rollout_id="other")
+    with pytest.raises(ValueError, match="several rollouts"):
+        episode_rows([a, b], expect=[(0, 0)], placeholder_token_id=0)

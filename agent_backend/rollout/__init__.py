@@ -21,7 +21,13 @@ if TYPE_CHECKING:
     from agent_backend.rollout.logprobs import NonFinitePolicy, check_logprobs
     from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
     from agent_backend.rollout.pool import RolloutPool, RolloutStatistics
-    from agent_backend.rollout.trainers import batches, to_trl, to_verl_fields
+    from agent_backend.rollout.trainers import (
+        batches,
+        episode_rows,
+        is_placeholder,
+        to_trl,
+        to_verl_fields,
+    )
     from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
     from agent_backend.rollout.writers import JsonlWriter, ParquetWriter, open_writer
 
@@ -43,6 +49,8 @@ __all__ = [
     "Trajectory",
     "batches",
     "check_logprobs",
+    "episode_rows",
+    "is_placeholder",
     "open_writer",
     "run_episode",
     "to_trl",
@@ -63,6 +71,8 @@ _HOME = {
     "RolloutPool": "pool",
     "RolloutStatistics": "pool",
     "batches": "trainers",
+    "episode_rows": "trainers",
+    "is_placeholder": "trainers",
     "to_trl": "trainers",
     "to_verl_fields": "trainers",
     "SegmentBuilder": "trajectory",

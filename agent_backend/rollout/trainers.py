@@ -14,6 +14,10 @@
   numpy arrays, and ``uid`` (the GRPO group) in the non-tensor batch.
 * :func:`batches` groups an async stream of trajectories into lists for a
   trainer that runs in the same process.
+* :func:`episode_rows` gives exactly one row per expected episode, in order,
+  whatever happened to it: what every trainer adapter
+  (:mod:`agent_backend.integrations`) hands its trainer, which must never get
+  a surprise count or an empty row (PITFALLS 24).
 
 This module must never import a trainer library (TRL, verl, torch): the
 shapes are plain lists and numpy arrays, which each of them takes.
@@ -21,6 +25,7 @@ shapes are plain lists and numpy arrays, which each of them takes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import Any, Final
 
@@ -29,13 +34,20 @@ import numpy as np
 from agent_backend.rollout.trajectory import Trajectory
 
 __all__ = [
+    "PLACEHOLDER_EXTRA",
     "TRL_EXTRA_KEYS",
     "VERL_FIELDS",
     "batches",
+    "episode_rows",
+    "is_placeholder",
+    "placeholder",
     "to_trl",
     "to_verl_fields",
     "trl_reward",
 ]
+
+#: The ``extras`` key that marks a placeholder row (:func:`placeholder`); its value says why.
+PLACEHOLDER_EXTRA: Final = "placeholder"
 
 #: Record fields :func:`to_trl` adds as extra keys (one value per completion).
 TRL_EXTRA_KEYS: Final[tuple[str, ...]] = (
@@ -66,6 +78,137 @@ VERL_FIELDS: Final[dict[str, str]] = {
     "reward": "token_level_scores (the reward on the last response token, 0 elsewhere)",
     "group_id": "uid (non_tensor_batch: GRPO groups samples by it)",
 }
+
+
+def is_placeholder(trajectory: Trajectory) -> bool:
+    """True for a row :func:`placeholder` made: nothing in it was sampled, nothing is trained."""
+    return PLACEHOLDER_EXTRA in trajectory.extras
+
+
+def placeholder(
+    *,
+    prompt_index: int,
+    sample_idx: int,
+    token_id: int,
+    reward: float,
+    why: str,
+    like: Trajectory | None = None,
+) -> Trajectory:
+    """A row that stands for an episode with nothing to train on, so a trainer's count holds.
+
+    One prompt token and one completion token (``token_id``: the tokenizer's pad
+    or eos), mask 0, logprob 0.0: a trainer computes no loss on it. ``like``
+    (the failed episode's own record, when there is one) lends its ids, stop
+    reason, error, counts and messages; without one the row is a
+    ``rollout_error`` whose error says ``why``. ``extras["placeholder"]`` is ``why``.
+    """
+    if token_id < 0:
+        raise ValueError(f"a placeholder needs a token id >= 0, got {token_id}")
+    fields: dict[str, Any] = (
+        like.model_dump(exclude={"prompt_ids", "completion_ids", "completion_mask", "logprobs"})
+        if like is not None
+        else {
+            "rollout_id": f"missing-p{prompt_index}-s{sample_idx}",
+            "group_id": f"missing-p{prompt_index}",
+            "policy_version_start": 0,
+            "policy_version_end": 0,
+            "stop_reason": "rollout_error",
+            "num_turns": 0,
+            "error": why,
+        }
+    )
+    fields.update(
+        prompt_index=prompt_index,
+        sample_idx=sample_idx,
+        segment_idx=0,
+        reward=reward,
+        rewards={},
+        extras={**fields.get("extras", {}), PLACEHOLDER_EXTRA: why},
+    )
+    return Trajectory(
+        **fields,
+        prompt_ids=[token_id],
+        completion_ids=[token_id],
+        completion_mask=[0],
+        logprobs=[0.0],
+    )
+
+
+def episode_rows(
+    records: Iterable[Trajectory],
+    *,
+    expect: Sequence[tuple[int, int]],
+    placeholder_token_id: int,
+    failure_reward: float = 0.0,
+) -> list[Trajectory]:
+    """Exactly one row per expected ``(prompt_index, sample_idx)``, in the order of ``expect``.
+
+    * An episode's segments (chat mode, a template that rewrote history) become
+      one row: its last segment, which ends where the reward was given;
+      ``extras["segments_dropped"]`` counts the others. Token-in/token-out
+      episodes have one segment.
+    * An episode whose record has no completion token (it failed before its
+      first turn), or no record at all (a dropped stale group, a failed group
+      left for a later run), becomes a :func:`placeholder`: one token, mask 0.
+    * A placeholder's reward is the mean reward of the real rows of its prompt
+      (so it shifts neither its group's mean nor, in GRPO, its siblings'
+      advantages), or ``failure_reward`` when the whole group is placeholders.
+      A real failed episode keeps its own reward (its tokens were sampled: the
+      failure is a signal).
+    * Records not in ``expect`` are left out; a key expected twice is refused.
+    """
+    keys = [(int(p), int(s)) for p, s in expect]
+    if len(set(keys)) != len(keys):
+        raise ValueError("episode_rows(): an expected (prompt_index, sample_idx) repeats")
+    wanted = set(keys)
+    found: dict[tuple[int, int], list[Trajectory]] = {}
+    for record in records:
+        key = (record.prompt_index, record.sample_idx)
+        if key in wanted:
+            found.setdefault(key, []).append(record)
+    rows: dict[tuple[int, int], Trajectory] = {}
+    missing: dict[tuple[int, int], tuple[str, Trajectory | None]] = {}
+    for key in keys:
+        segments = found.get(key)
+        if not segments:
+            missing[key] = (
+                "no record: the episode's group was dropped or left for a later run",
+                None,
+            )
+            continue
+        if len({s.rollout_id for s in segments}) > 1:
+            raise ValueError(
+                f"episode_rows(): prompt {key[0]} sample {key[1]} has records of several "
+                f"rollouts ({', '.join(sorted({s.rollout_id for s in segments}))})"
+            )
+        last = max(segments, key=lambda s: s.segment_idx)
+        if not last.completion_ids or not last.prompt_ids:
+            missing[key] = (
+                f"no tokens: the episode ended ({last.stop_reason}) before its first turn",
+                last,
+            )
+            continue
+        if len(segments) > 1:
+            last = last.model_copy(
+                update={"extras": {**last.extras, "segments_dropped": len(segments) - 1}}
+            )
+        rows[key] = last
+    if missing:
+        by_prompt: dict[int, list[float]] = {}
+        for (prompt, _), row in rows.items():
+            by_prompt.setdefault(prompt, []).append(row.reward)
+        for key, (why, like) in missing.items():
+            real = by_prompt.get(key[0])
+            reward = math.fsum(real) / len(real) if real else failure_reward
+            rows[key] = placeholder(
+                prompt_index=key[0],
+                sample_idx=key[1],
+                token_id=placeholder_token_id,
+                reward=reward,
+                why=why,
+                like=like,
+            )
+    return [rows[key] for key in keys]
 
 
 def to_trl(trajectories: Iterable[Trajectory]) -> dict[str, list[Any]]:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         ToolReward,
         run_episode,
     )
+    from agent_backend.rollout.chat_template import ChatTemplate
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.logprobs import NonFinitePolicy, check_logprobs
     from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
@@ -28,11 +29,18 @@ if TYPE_CHECKING:
         to_trl,
         to_verl_fields,
     )
+    from agent_backend.rollout.tokens import (
+        SampledTokens,
+        TokenPolicy,
+        TokenSampler,
+        VLLMTokenSampler,
+    )
     from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
     from agent_backend.rollout.writers import JsonlWriter, ParquetWriter, open_writer
 
 __all__ = [
     "AssistantTurn",
+    "ChatTemplate",
     "EpisodeConfig",
     "JsonlWriter",
     "NonFinitePolicy",
@@ -43,10 +51,14 @@ __all__ = [
     "RewardInput",
     "RolloutPool",
     "RolloutStatistics",
+    "SampledTokens",
     "SegmentBuilder",
     "StopReason",
+    "TokenPolicy",
+    "TokenSampler",
     "ToolReward",
     "Trajectory",
+    "VLLMTokenSampler",
     "batches",
     "check_logprobs",
     "episode_rows",
@@ -75,6 +87,11 @@ _HOME = {
     "is_placeholder": "trainers",
     "to_trl": "trainers",
     "to_verl_fields": "trainers",
+    "ChatTemplate": "chat_template",
+    "SampledTokens": "tokens",
+    "TokenPolicy": "tokens",
+    "TokenSampler": "tokens",
+    "VLLMTokenSampler": "tokens",
     "SegmentBuilder": "trajectory",
     "StopReason": "trajectory",
     "Trajectory": "trajectory",

@@ -17,8 +17,11 @@ that runs one tool call there and scores its result.
 The episode is assembled into :class:`~agent_backend.rollout.trajectory.Trajectory`
 records by a :class:`~agent_backend.rollout.trajectory.SegmentBuilder`: the
 mask is 1 only on tokens the policy sampled; tool output and template
-tokens come from the next turn's prompt ids, masked 0. A chat template that
-rewrites history starts a new segment (one more record).
+tokens come from the next turn's prompt ids, masked 0. With a chat-completions
+policy, a chat template that rewrites history starts a new segment (one more
+record, counted in ``extras["history_rewrites"]``); a
+:class:`~agent_backend.rollout.tokens.TokenPolicy` (token in, token out) never
+re-renders history, so its episodes have one record, always.
 
 Failures are data: a policy, tool, environment or reward failure ends the
 episode with ``stop_reason`` ``rollout_error``, ``tool_error``, ``env_error``
@@ -61,6 +64,7 @@ from agent_backend.errors import (
     clip,
 )
 from agent_backend.rollout.policy import AssistantTurn, Policy
+from agent_backend.rollout.tokens import TokenPolicy
 from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
 from agent_backend.tools import ToolCall, ToolRegistry
 
@@ -281,7 +285,8 @@ async def run_episode(
     Args:
         prompt: the prompt's messages, or a dataset row holding them
             (:func:`prompt_messages`); the row is passed on to the reward.
-        policy: samples the assistant turns.
+        policy: samples the assistant turns; a :class:`~agent_backend.rollout.tokens.TokenPolicy`
+            gets one token stream per episode (``for_episode()``).
         dispatcher: an open dispatcher; the episode's session is opened on it.
         tools: the tools the policy is offered: a registry (default: the
             dispatcher's) or OpenAI tool dicts (compute them once for many episodes).
@@ -292,6 +297,8 @@ async def run_episode(
             and after each turn (default: always 0).
     """
     config = config or EpisodeConfig()
+    if isinstance(policy, TokenPolicy):
+        policy = policy.for_episode()  # token-in/token-out: this episode's own token stream
     if ids is None:
         import secrets
 

@@ -47,20 +47,16 @@ align with its completion ids, and never hide a missing field behind a default.
 from __future__ import annotations
 
 import dataclasses
-import json
-import random
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import anyio
 import httpx
 import orjson
 
-from agent_backend.backoff import backoff_delay
-from agent_backend.errors import PolicyError, clip
-from agent_backend.lifecycle import AsyncResource
+from agent_backend.errors import PolicyError
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
+from agent_backend.rollout.server_client import PolicyServerClient, PolicyStatistics, v1_url
 from agent_backend.tools import ToolCall
 from agent_backend.tools.calls import from_hermes, parse_tool_calls
 
@@ -72,10 +68,7 @@ __all__ = [
     "chat_completions_url",
 ]
 
-# HTTP statuses worth another attempt: the server is overloaded, restarting or timed out.
-_RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _TOKEN_ID_PREFIX = "token_id:"
-_BODY_SHOWN = 300
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -130,20 +123,6 @@ class Policy(Protocol):
     ) -> AssistantTurn: ...
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PolicyStatistics:
-    requests: int
-    """HTTP requests sent (attempts, retries included)."""
-    turns: int
-    """Turns answered."""
-    retries: int
-    """Attempts beyond the first."""
-    failures: int
-    """Calls of ``generate`` that raised a :class:`PolicyError`."""
-    seconds: float
-    """Wall time spent in ``generate``, summed over calls."""
-
-
 def chat_completions_url(url: str) -> str:
     """The chat-completions endpoint of a server URL.
 
@@ -151,12 +130,7 @@ def chat_completions_url(url: str) -> str:
     ``http://h:8000/v1/chat/completions``; a URL already ending in
     ``/chat/completions`` is kept.
     """
-    base = url.rstrip("/")
-    if base.endswith("/chat/completions"):
-        return base
-    if not base.endswith("/v1"):
-        base += "/v1"
-    return base + "/chat/completions"
+    return v1_url(url, "chat/completions")
 
 
 def _is_token_id(value: object) -> bool:
@@ -170,7 +144,7 @@ def _ids(value: object) -> list[int] | None:
     return None
 
 
-class OpenAICompatiblePolicy(AsyncResource):
+class OpenAICompatiblePolicy(PolicyServerClient):
     """A policy served by vLLM or SGLang behind ``/v1/chat/completions``.
 
     ``async with OpenAICompatiblePolicy(url, model=...) as policy``; or use it
@@ -220,40 +194,23 @@ class OpenAICompatiblePolicy(AsyncResource):
         """
         if top_logprobs < 1:
             raise ValueError("top_logprobs must be at least 1 (PITFALLS 22)")
-        if not timeout > 0:
-            raise ValueError("timeout must be positive")
-        if max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
-        self.url = chat_completions_url(url)
-        self.model = model
+        super().__init__(
+            chat_completions_url(url),
+            model=model,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            client=client,
+        )
         self.temperature = temperature
         self.top_p = top_p
         self.max_tokens = max_tokens
         self.top_logprobs = top_logprobs
         self.non_finite: NonFinitePolicy = non_finite
-        self.timeout = timeout
-        self.max_retries = max_retries
-        self.backoff = backoff
-        self.max_backoff = max_backoff
         self.extra_body = dict(extra_body or {})
         self.counters = counters if counters is not None else NonFiniteCounters()
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
-        self._headers = headers
-        self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
-        self._closed = False
-        self._requests = 0
-        self._turns = 0
-        self._retries = 0
-        self._failures = 0
-        self._seconds = 0.0
-        self._model_lock = anyio.Lock()
-        self._random = random.Random()
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -261,24 +218,6 @@ class OpenAICompatiblePolicy(AsyncResource):
             f"<OpenAICompatiblePolicy {self.url} model={self.model!r}"
             f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
         )
-
-    def statistics(self) -> PolicyStatistics:
-        return PolicyStatistics(
-            requests=self._requests,
-            turns=self._turns,
-            retries=self._retries,
-            failures=self._failures,
-            seconds=self._seconds,
-        )
-
-    async def aclose(self) -> None:
-        """Close the HTTP client (when it is ours); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._owns_client:
-            with anyio.CancelScope(shield=True):
-                await self._client.aclose()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -319,8 +258,7 @@ class OpenAICompatiblePolicy(AsyncResource):
         max_tokens: int | None = None,
     ) -> AssistantTurn:
         """Sample one turn; :class:`PolicyError` when the server fails or answers unusably."""
-        if self._closed:
-            raise PolicyError("the policy client is closed", url=self.url)
+        self._check_open()
         started = time.perf_counter()
         try:
             if self.model is None:
@@ -335,93 +273,6 @@ class OpenAICompatiblePolicy(AsyncResource):
             self._seconds += time.perf_counter() - started
         self._turns += 1
         return turn
-
-    async def _discover_model(self) -> None:
-        async with self._model_lock:
-            if self.model is not None:
-                return
-            models_url = self.url.removesuffix("/chat/completions") + "/models"
-            try:
-                with anyio.fail_after(self.timeout):
-                    response = await self._client.get(models_url, headers=self._headers)
-                data = response.json()
-                self.model = str(data["data"][0]["id"])
-            except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
-                raise PolicyError(
-                    f"no model name given and {models_url} did not name one; pass model=",
-                    url=models_url,
-                    retryable=False,
-                ) from None
-
-    def _delay(self, retry: int) -> float:
-        return backoff_delay(retry, first=self.backoff, ceiling=self.max_backoff, rng=self._random)
-
-    async def _post(self, payload: bytes) -> Any:
-        last: PolicyError | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self._retries += 1
-                await anyio.sleep(self._delay(attempt))
-            self._requests += 1
-            try:
-                with anyio.fail_after(self.timeout):
-                    response = await self._client.post(
-                        self.url, content=payload, headers=self._headers
-                    )
-            except (httpx.TransportError, TimeoutError) as exc:
-                what = (
-                    "timed out"
-                    if isinstance(exc, (TimeoutError, httpx.TimeoutException))
-                    else (f"failed: {type(exc).__name__}: {clip(str(exc), 200)}")
-                )
-                last = PolicyError(
-                    f"the policy server at {self.url} {what}", url=self.url, retryable=True
-                )
-                continue
-            status = response.status_code
-            if status == 200:
-                return self._json(response)
-            detail = clip(response.text, _BODY_SHOWN)
-            last = PolicyError(
-                f"the policy server at {self.url} answered HTTP {status}: {detail}",
-                status=status,
-                url=self.url,
-                retryable=status in _RETRY_STATUSES,
-            )
-            if not last.retryable:
-                raise last
-        assert last is not None
-        if self.max_retries:
-            last = PolicyError(
-                f"{last.message} (gave up after {self.max_retries + 1} attempts)",
-                status=last.status,
-                url=last.url,
-                retryable=True,
-            )
-        raise last
-
-    def _json(self, response: httpx.Response) -> Any:
-        try:
-            # The standard parser, not orjson: it reads NaN/Infinity literals, which a
-            # server may send as logprobs; they must be seen and handled, not refused.
-            return json.loads(response.content)
-        except ValueError as exc:
-            raise PolicyError(
-                f"the policy server at {self.url} answered with invalid JSON ({exc}): "
-                f"{clip(response.text, _BODY_SHOWN)}",
-                status=response.status_code,
-                url=self.url,
-            ) from None
-
-    def _unusable(self, problem: str, fix: str = "") -> PolicyError:
-        return PolicyError(
-            f"the policy server at {self.url} answered without {problem}; a trainer cannot use "
-            f"this turn{'. ' + fix if fix else ''}",
-            status=200,
-            url=self.url,
-        )
-
-    # -- responses --------------------------------------------------------------------------------
 
     def _turn(self, data: Any) -> AssistantTurn:
         if not isinstance(data, dict):

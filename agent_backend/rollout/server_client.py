@@ -1,0 +1,214 @@
+"""One policy server over HTTP: the retries, model discovery and counters every client of it shares.
+
+:class:`PolicyServerClient` is the base of
+:class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy` (chat completions)
+and :class:`~agent_backend.rollout.tokens.VLLMTokenSampler` (completions with
+token-id prompts). It posts JSON to one endpoint: HTTP 5xx, 408, 425, 429,
+connection errors and timeouts are retried with exponential backoff and
+jitter a bounded number of times (the project's one backoff helper); other
+4xx are not. Each attempt is bounded by a client-side timeout. Bodies are
+parsed with the standard parser, which reads ``NaN`` literals, so that a
+non-finite logprob is seen where it arrives and handled (PITFALLS 21).
+
+This module must never retry a request the server refused for its content,
+and never hide a failure behind a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from typing import Any
+
+import anyio
+import httpx
+
+from agent_backend.backoff import backoff_delay
+from agent_backend.errors import PolicyError, clip
+from agent_backend.lifecycle import AsyncResource
+
+__all__ = ["PolicyServerClient", "PolicyStatistics", "v1_url"]
+
+# HTTP statuses worth another attempt: the server is overloaded, restarting or timed out.
+_RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+_BODY_SHOWN = 300
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyStatistics:
+    requests: int
+    """HTTP requests sent (attempts, retries included)."""
+    turns: int
+    """Turns answered."""
+    retries: int
+    """Attempts beyond the first."""
+    failures: int
+    """Calls that raised a :class:`PolicyError`."""
+    seconds: float
+    """Wall time spent in calls, summed."""
+
+
+def v1_url(url: str, endpoint: str) -> str:
+    """``endpoint`` (``chat/completions``, ``completions``) under a server's ``/v1``.
+
+    ``http://h:8000`` and ``http://h:8000/v1`` both give
+    ``http://h:8000/v1/<endpoint>``; a URL already ending in ``/<endpoint>`` is kept.
+    """
+    base = url.rstrip("/")
+    if base.endswith("/" + endpoint):
+        return base
+    if not base.endswith("/v1"):
+        base += "/v1"
+    return f"{base}/{endpoint}"
+
+
+class PolicyServerClient(AsyncResource):
+    """Posts to one endpoint of a policy server, with bounded retries (module docstring)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None,
+        api_key: str | None,
+        timeout: float,
+        max_retries: int,
+        backoff: float,
+        max_backoff: float,
+        client: httpx.AsyncClient | None,
+    ) -> None:
+        if not timeout > 0:
+            raise ValueError("timeout must be positive")
+        if max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        self.url = url
+        self.model = model
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._headers = headers
+        self._owns_client = client is None
+        self._client = client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        self._closed = False
+        self._requests = 0
+        self._turns = 0
+        self._retries = 0
+        self._failures = 0
+        self._seconds = 0.0
+        self._model_lock = anyio.Lock()
+        self._random = random.Random()
+
+    def statistics(self) -> PolicyStatistics:
+        return PolicyStatistics(
+            requests=self._requests,
+            turns=self._turns,
+            retries=self._retries,
+            failures=self._failures,
+            seconds=self._seconds,
+        )
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (when it is ours); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            with anyio.CancelScope(shield=True):
+                await self._client.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PolicyError("the policy client is closed", url=self.url)
+
+    async def _discover_model(self) -> None:
+        async with self._model_lock:
+            if self.model is not None:
+                return
+            models_url = self.url.rsplit("/v1/", 1)[0] + "/v1/models"
+            try:
+                with anyio.fail_after(self.timeout):
+                    response = await self._client.get(models_url, headers=self._headers)
+                data = response.json()
+                self.model = str(data["data"][0]["id"])
+            except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+                raise PolicyError(
+                    f"no model name given and {models_url} did not name one; pass model=",
+                    url=models_url,
+                    retryable=False,
+                ) from None
+
+    def _delay(self, retry: int) -> float:
+        return backoff_delay(retry, first=self.backoff, ceiling=self.max_backoff, rng=self._random)
+
+    async def _post(self, payload: bytes) -> Any:
+        last: PolicyError | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._retries += 1
+                await anyio.sleep(self._delay(attempt))
+            self._requests += 1
+            try:
+                with anyio.fail_after(self.timeout):
+                    response = await self._client.post(
+                        self.url, content=payload, headers=self._headers
+                    )
+            except (httpx.TransportError, TimeoutError) as exc:
+                what = (
+                    "timed out"
+                    if isinstance(exc, (TimeoutError, httpx.TimeoutException))
+                    else (f"failed: {type(exc).__name__}: {clip(str(exc), 200)}")
+                )
+                last = PolicyError(
+                    f"the policy server at {self.url} {what}", url=self.url, retryable=True
+                )
+                continue
+            status = response.status_code
+            if status == 200:
+                return self._json(response)
+            detail = clip(response.text, _BODY_SHOWN)
+            last = PolicyError(
+                f"the policy server at {self.url} answered HTTP {status}: {detail}",
+                status=status,
+                url=self.url,
+                retryable=status in _RETRY_STATUSES,
+            )
+            if not last.retryable:
+                raise last
+        assert last is not None
+        if self.max_retries:
+            last = PolicyError(
+                f"{last.message} (gave up after {self.max_retries + 1} attempts)",
+                status=last.status,
+                url=last.url,
+                retryable=True,
+            )
+        raise last
+
+    def _json(self, response: httpx.Response) -> Any:
+        try:
+            # The standard parser, not orjson: it reads NaN/Infinity literals, which a
+            # server may send as logprobs; they must be seen and handled, not refused.
+            return json.loads(response.content)
+        except ValueError as exc:
+            raise PolicyError(
+                f"the policy server at {self.url} answered with invalid JSON ({exc}): "
+                f"{clip(response.text, _BODY_SHOWN)}",
+                status=response.status_code,
+                url=self.url,
+            ) from None
+
+    def _unusable(self, problem: str, fix: str = "") -> PolicyError:
+        return PolicyError(
+            f"the policy server at {self.url} answered without {problem}; a trainer cannot use "
+            f"this turn{'. ' + fix if fix else ''}",
+            status=200,
+            url=self.url,
+        )

@@ -1,0 +1,338 @@
+"""Token-in/token-out episodes: the exact ids the server sampled, never a re-rendered history.
+
+A chat endpoint re-renders the whole conversation every turn; a template
+that differs from the sampled tokens by one newline, strips earlier
+reasoning (Qwen3) or re-renders tool calls changes the prompt ids, and the
+trajectory splits into segments (PITFALLS 25). :class:`TokenPolicy` never
+re-renders: turn N+1's prompt is turn N's prompt + its completion + the
+tokens of the messages that came back (tool results, a user message),
+rendered **alone** by the model's :class:`~agent_backend.rollout.chat_template.ChatTemplate`.
+The server gets token ids and answers token ids; tool calls are read from the
+decoded text by the tool-call layer. An episode run with it has one record,
+always.
+
+* :class:`TokenSampler` is what samples a completion from token ids: a
+  protocol with one method. :class:`VLLMTokenSampler` is vLLM's
+  ``/v1/completions`` with a token-id prompt; trainer adapters provide
+  samplers over their own engines (verl's server manager, SkyRL's inference
+  client), so that the trainer's weight sync applies.
+* :class:`TokenPolicy` joins a sampler and a template into a
+  :class:`~agent_backend.rollout.policy.Policy` for
+  :func:`~agent_backend.rollout.episode.run_episode` and
+  :class:`~agent_backend.rollout.pool.RolloutPool`, which ask it for one
+  stateful policy per episode (:meth:`TokenPolicy.for_episode`).
+
+Non-finite logprobs are handled where they arrive (PITFALLS 21), with the
+policy's :data:`~agent_backend.rollout.logprobs.NonFinitePolicy`, as for
+chat completions. This module must never re-tokenize a token the server
+sampled, and never send a prompt that does not start with the previous one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import httpx
+import orjson
+
+from agent_backend.errors import PolicyError
+from agent_backend.rollout.chat_template import ChatTemplate
+from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
+from agent_backend.rollout.policy import AssistantTurn
+from agent_backend.rollout.server_client import PolicyServerClient, v1_url
+
+__all__ = [
+    "SampledTokens",
+    "TokenPolicy",
+    "TokenSampler",
+    "VLLMTokenSampler",
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampledTokens:
+    """One completion as a sampler returns it."""
+
+    token_ids: list[int]
+    """The ids sampled, the end-of-turn token included when the server sampled it."""
+    logprobs: list[float | None]
+    """The sampler's logprob of each id (None or NaN where it had none: policy-handled)."""
+    finish_reason: str
+    """``stop`` (end of turn or a stop sequence), ``length`` ..."""
+
+
+@runtime_checkable
+class TokenSampler(Protocol):
+    """Samples one completion of ``prompt_ids`` (at most ``max_tokens`` ids; None: no bound here).
+
+    Failures raise :class:`~agent_backend.errors.PolicyError`.
+    """
+
+    async def sample(
+        self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+    ) -> SampledTokens: ...
+
+
+class TokenPolicy:
+    """A :class:`~agent_backend.rollout.policy.Policy` that extends token streams (module docstring).
+
+    ``run_episode`` and ``RolloutPool`` call :meth:`for_episode` once per
+    episode; the per-episode policy remembers the ids sent and sampled so far.
+    """
+
+    def __init__(
+        self,
+        sampler: TokenSampler,
+        template: ChatTemplate,
+        *,
+        non_finite: NonFinitePolicy = "fail",
+        counters: NonFiniteCounters | None = None,
+    ) -> None:
+        if not isinstance(sampler, TokenSampler):
+            raise TypeError(
+                f"{type(sampler).__name__} has no async sample(prompt_ids, max_tokens=)"
+            )
+        self.sampler = sampler
+        self.template = template
+        self.non_finite: NonFinitePolicy = non_finite
+        self.counters = counters if counters is not None else NonFiniteCounters()
+
+    def __repr__(self) -> str:
+        return f"<TokenPolicy {self.sampler!r} {self.template!r}>"
+
+    def for_episode(self) -> EpisodeTokens:
+        """A fresh policy for one episode (it must not be shared between episodes)."""
+        return EpisodeTokens(self)
+
+    async def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+    ) -> AssistantTurn:
+        """One turn of a conversation with no past turns of this policy (a one-turn episode)."""
+        return await self.for_episode().generate(messages, tools, max_tokens=max_tokens)
+
+
+class EpisodeTokens:
+    """The token stream of one episode: what :meth:`TokenPolicy.for_episode` returns."""
+
+    def __init__(self, policy: TokenPolicy) -> None:
+        self._policy = policy
+        self._context: list[int] = []
+        self._seen = 0
+        self._last: dict[str, Any] | None = None
+        self._last_ids: list[int] = []
+
+    def __repr__(self) -> str:
+        return f"<EpisodeTokens turns context={len(self._context)} tokens>"
+
+    def _prompt(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> list[int]:
+        template = self._policy.template
+        if self._last is None:
+            return template.prompt_ids(messages, tools)
+        if len(messages) <= self._seen or messages[self._seen] is not self._last:
+            raise PolicyError(
+                "token-in/token-out: the conversation must keep this policy's last assistant "
+                "message and only append after it (use one TokenPolicy.for_episode() per episode)"
+            )
+        new = messages[self._seen + 1 :]
+        if not new:
+            raise PolicyError("token-in/token-out: no new message since the last turn")
+        return self._context + template.continuation_ids(new, tools, after=self._last_ids)
+
+    async def generate(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        max_tokens: int | None = None,
+    ) -> AssistantTurn:
+        policy = self._policy
+        prompt = self._prompt(messages, tools)
+        sampled = await policy.sampler.sample(prompt, max_tokens=max_tokens)
+        ids = [int(t) for t in sampled.token_ids]
+        if len(sampled.logprobs) != len(ids):
+            raise PolicyError(
+                f"the sampler returned {len(ids)} token ids but {len(sampled.logprobs)} "
+                "logprobs; they must align one to one"
+            )
+        check = check_logprobs(
+            list(sampled.logprobs), policy=policy.non_finite, counters=policy.counters
+        )
+        message, prose, calls = policy.template.assistant_message(ids)
+        self._context = prompt + ids
+        self._seen = len(messages)
+        self._last = message
+        self._last_ids = ids
+        return AssistantTurn(
+            message=message,
+            text=prose,
+            tool_calls=tuple(calls),
+            prompt_ids=prompt,
+            completion_ids=ids,
+            logprobs=check.logprobs,
+            mask=check.mask,
+            finish_reason=sampled.finish_reason or "stop",
+            non_finite=check.count,
+            drop_error=check.error,
+        )
+
+
+def _logprob(value: object) -> float | None:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+class VLLMTokenSampler(PolicyServerClient):
+    """vLLM's ``/v1/completions`` with a token-id prompt: token ids and logprobs back.
+
+    Each request asks for the sampled token's logprob (``logprobs``) and the
+    completion's ids (``return_token_ids``), with special tokens kept in the
+    text; a response without them raises :class:`PolicyError` (never a
+    silently zeroed mask, PITFALLS 22). Retries as for chat completions
+    (:class:`~agent_backend.rollout.server_client.PolicyServerClient`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        top_logprobs: int = 1,
+        timeout: float = 300.0,
+        max_retries: int = 4,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        extra_body: Mapping[str, Any] | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        """
+        Args:
+            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
+            model: the served model name; None: the first of ``GET /v1/models``.
+            temperature, top_p: sampling parameters (RL samples at temperature 1).
+            max_tokens: the most tokens one completion may sample, unless ``sample``
+                is given a smaller bound. Set it: an OpenAI completions endpoint
+                defaults to 16.
+            top_logprobs: alternatives per token (``logprobs``; the sampled token's
+                own logprob always comes first).
+            extra_body: more request fields (``structured_outputs`` for guided decoding,
+                ``repetition_penalty``, ``seed`` ...), sent with every request.
+            The others: as :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`.
+        """
+        if top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        super().__init__(
+            v1_url(url, "completions"),
+            model=model,
+            api_key=api_key,
+            timeout=timeout,
+            max_retries=max_retries,
+            backoff=backoff,
+            max_backoff=max_backoff,
+            client=client,
+        )
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.top_logprobs = top_logprobs
+        self.extra_body = dict(extra_body or {})
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<VLLMTokenSampler {self.url} model={self.model!r}"
+            f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
+        )
+
+    def request_body(
+        self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+    ) -> dict[str, Any]:
+        """The JSON body of one completions request."""
+        body: dict[str, Any] = {
+            "prompt": [int(t) for t in prompt_ids],
+            "temperature": self.temperature,
+            "logprobs": self.top_logprobs,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": False,
+            "n": 1,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
+        limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
+        if limits:
+            body["max_tokens"] = min(limits)
+        body.update(self.extra_body)
+        return body
+
+    async def sample(
+        self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+    ) -> SampledTokens:
+        """Sample one completion; :class:`PolicyError` when the server fails or answers unusably."""
+        self._check_open()
+        started = time.perf_counter()
+        try:
+            if self.model is None:
+                await self._discover_model()
+            data = await self._post(
+                orjson.dumps(self.request_body(prompt_ids, max_tokens=max_tokens))
+            )
+            sampled = self._sampled(data)
+        except PolicyError:
+            self._failures += 1
+            raise
+        finally:
+            self._seconds += time.perf_counter() - started
+        self._turns += 1
+        return sampled
+
+    def _sampled(self, data: Any) -> SampledTokens:
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._unusable("choices")
+        choice: dict[str, Any] = choices[0]
+        ids = choice.get("token_ids")
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+        ):
+            raise self._unusable(
+                "the completion's token ids",
+                "The request asked for them (return_token_ids: true): upgrade a vLLM older "
+                "than that field (vllm-project/vllm#22587)",
+            )
+        logprobs = choice.get("logprobs")
+        values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+        if not isinstance(values, list):
+            raise self._unusable(
+                "logprobs",
+                f"The request asked for them (logprobs: {self.top_logprobs}); vLLM: "
+                "--max-logprobs must be >= that",
+            )
+        if len(values) != len(ids):
+            raise PolicyError(
+                f"the policy server at {self.url} answered {len(ids)} completion token ids "
+                f"but {len(values)} logprobs; they must align one to one",
+                status=200,
+                url=self.url,
+            )
+        finish = choice.get("finish_reason")
+        return SampledTokens(
+            token_ids=ids,
+            logprobs=[_logprob(v) for v in values],
+            finish_reason=str(finish) if finish else "stop",
+        )

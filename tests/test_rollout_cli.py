@@ -152,46 +152,61 @@ def lines(path: Path) -> int:
         return 0
 
 
+def wait_for(condition: Any, process: subprocess.Popen[bytes], what: str) -> None:
+    """Wait until ``condition()`` holds while ``process`` runs (bounded: a stuck run fails)."""
+    deadline = time.monotonic() + 90
+    while not condition():
+        assert process.poll() is None, f"the run ended (rc {process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"the run made no progress towards {what}"
+        time.sleep(0.005)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_sigkill_at_random_points_then_resume(
     policy_server: PolicyServer, tmp_path: Path, seed: int
 ) -> None:
+    """Four SIGKILLs at kill points chosen by states, not by time, then a resume that finishes.
+
+    A kill point is the run's start-up (its ledger appears: prompts claimed, nothing written
+    yet, or a few lines) or the output reaching a seeded size; each lies well before the run's
+    end (at most three quarters of the records), so every kill lands on a running process on a
+    fast or a slow machine alike.
+    """
     model = policy_server.add(f"cli-kill-{seed}", tool_then_answer)
     total, n = 40, 2
+    records_wanted = total * n
     write_prompts(tmp_path / "prompts.jsonl", total)
     args = command(policy_server, model, tmp_path, "--n", str(n), "--concurrency", "4")
     out = tmp_path / "out.jsonl"
+    ledger_file = ledger_path(out)
     chance = random.Random(seed)
     kills = 0
-    for attempt in range(6):
+    target = 0
+    for attempt in range(4):
         resume = ["--resume"] if attempt else []
         with (tmp_path / f"stderr-{attempt}.txt").open("wb") as log:
             process = subprocess.Popen(
                 [*args, *resume], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=log
             )
-            # A kill point: during start-up, or once the output grew by a random amount.
-            if chance.random() < 0.25:
-                time.sleep(chance.uniform(0.2, 1.5))
-            else:
-                target = lines(out) + chance.randint(1, total * n // 3)
-                deadline = time.monotonic() + 30
-                while lines(out) < target and process.poll() is None:
-                    assert time.monotonic() < deadline, "the run made no progress"
-                    time.sleep(0.01)
-                time.sleep(chance.uniform(0.0, 0.2))
-            if process.poll() is None:
+            try:
+                if attempt == 0 and chance.random() < 0.5:
+                    wait_for(ledger_file.exists, process, "its ledger appeared")  # start-up
+                else:
+                    target = min(target + chance.randint(1, 12), records_wanted * 3 // 4)
+                    wait_for(lambda at=target: lines(out) >= at, process, f"{target} records")
                 os.kill(process.pid, signal.SIGKILL)
                 kills += 1
-            process.wait(timeout=30)
-        if process.returncode == 0:
-            break
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                process.wait(timeout=30)
         assert process.returncode == -signal.SIGKILL, (
             tmp_path / f"stderr-{attempt}.txt"
         ).read_text()
-    final = run([*args, "--resume"], tmp_path)  # finishes what is left, or finds nothing to do
+    final = run([*args, "--resume"], tmp_path)  # finishes what is left
     assert final.returncode == 0, final.stderr
-    assert kills >= 3
-    ledger = ResumeLedger.open(ledger_path(out), num_prompts=total)
+    assert kills == 4
+    ledger = ResumeLedger.open(ledger_file, num_prompts=total)
     assert (ledger.trained_count, ledger.cursor) == (total, total)
     assert counts(out) == dict.fromkeys(range(total), n)  # none skipped, none twice
     records = list(read_trajectories(out))

@@ -195,15 +195,17 @@ class ChatTemplate:
 
         The text is decoded with special tokens kept (``<tool_call>`` is often
         one), the end-of-turn token cut off; calls are located by the tool-call
-        layer (Hermes ``<tool_call>`` blocks). The message carries the calls in
-        OpenAI form, so the recorded conversation reads like a chat endpoint's.
+        layer (Hermes ``<tool_call>`` blocks). The message carries the prose and
+        the calls in OpenAI form, so the recorded conversation reads like a chat
+        endpoint's (the tokens, not the message, are what was sampled).
         """
         text = str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=False))
         if text.endswith(self.end_of_turn):
             text = text[: -len(self.end_of_turn)]
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        calls = parse_tool_calls(message)
+        calls = parse_tool_calls({"role": "assistant", "content": text})
         prose = from_hermes(text)[0] if "<tool_call>" in text else text
+        # As a chat endpoint with a tool parser answers: the prose, and the calls apart.
+        message: dict[str, Any] = {"role": "assistant", "content": prose if calls else text}
         if calls:
             message["tool_calls"] = [
                 {

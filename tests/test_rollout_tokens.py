@@ -21,6 +21,7 @@ from tiny_model import build_tiny_model
 from agent_backend.errors import PolicyError
 from agent_backend.rollout import (
     ChatTemplate,
+    RolloutPool,
     SampledTokens,
     TokenPolicy,
     VLLMTokenSampler,
@@ -54,12 +55,19 @@ class ScriptedSampler:
         self.completions = [template.encode(text) for text in texts]
         self.logprob = logprob
         self.prompts: list[list[int]] = []
+        self._turn_start = template.encode("<|im_start|>assistant")
+
+    def turn(self, prompt_ids: Sequence[int]) -> int:
+        """Which turn of its episode a prompt asks for: its assistant turns so far."""
+        mark, ids = self._turn_start, list(prompt_ids)
+        starts = sum(ids[i : i + len(mark)] == mark for i in range(len(ids) - len(mark) + 1))
+        return starts - 1
 
     async def sample(
         self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
     ) -> SampledTokens:
         self.prompts.append(list(prompt_ids))
-        ids = self.completions[min(len(self.prompts), len(self.completions)) - 1]
+        ids = self.completions[min(self.turn(prompt_ids), len(self.completions) - 1)]
         return SampledTokens(list(ids), [self.logprob] * len(ids), "stop")
 
 
@@ -289,3 +297,24 @@ async def test_the_vllm_sampler_refuses_what_a_trainer_cannot_use(
         with pytest.raises(PolicyError, match=match):
             await sampler.sample([1])
     assert sampler.statistics().failures == 1
+
+
+async def test_the_pool_counts_chat_drift_and_token_runs_have_none(
+    qwen3: ChatTemplate, tmp_path: Path
+) -> None:
+    texts = [
+        '<think>t</think><tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call><|im_end|>',
+        "<think>d</think>3<|im_end|>",
+    ]
+    prompts = [{"prompt": f"add {i}"} for i in range(3)]
+    async with local_dispatcher(tmp_path / "ws") as dispatcher:
+        for policy, rewrites in [
+            (chat_server(qwen3, ScriptedSampler(qwen3, texts)), 3 * 2),
+            (TokenPolicy(ScriptedSampler(qwen3, texts), qwen3), 0),
+        ]:
+            pool = RolloutPool(policy, dispatcher, n=2, concurrency=4)
+            async with pool.stream(prompts) as stream:
+                records = [t async for batch in stream for t in batch]
+            stats = pool.statistics()
+            assert (stats.history_rewrites, stats.episodes_split) == (rewrites, rewrites)
+            assert len(records) == 6 + rewrites  # one record per episode, plus one per rewrite

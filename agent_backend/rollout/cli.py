@@ -181,6 +181,14 @@ def rollout_command(
     max_retries: Annotated[
         int, typer.Option(help="Retries of a request on 5xx, timeouts, connection errors.", min=0)
     ] = 4,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="Token in, token out: the model's tokenizer (a local folder or an installed "
+            "model name). The server gets token ids on /v1/completions and history is never "
+            "re-rendered; without it, chat completions."
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
@@ -196,8 +204,8 @@ def rollout_command(
     from agent_backend.pool import DEFAULT_POOL, load_pool_config, pool_from_config
     from agent_backend.rollout.episode import EpisodeConfig, RewardFunction, ToolReward
     from agent_backend.rollout.ledger import ResumeLedger
-    from agent_backend.rollout.policy import OpenAICompatiblePolicy
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool
+    from agent_backend.rollout.tokens import open_policy
     from agent_backend.rollout.writers import JsonlWriter
     from agent_backend.tools import ToolRegistry
 
@@ -263,6 +271,8 @@ def rollout_command(
         "timeout": request_timeout,
         "max_retries": max_retries,
     }
+    if tokenizer is not None:
+        policy_options["tokenizer"] = tokenizer
 
     async def drive(rollouts: RolloutPool) -> None:
         outcome["pool"] = rollouts
@@ -303,7 +313,7 @@ def rollout_command(
         async with (
             backend,
             Dispatcher(registry, backend) as dispatcher,
-            OpenAICompatiblePolicy(**policy_options) as client,
+            open_policy(policy_options) as client,
         ):
             await drive(
                 RolloutPool(
@@ -443,6 +453,13 @@ def _summary(
         table.add_row("turns", str(s.turns))
         table.add_row("tool calls", f"{s.tool_calls} ({s.tool_failures} failed)")
         table.add_row("tool calls/s", f"{s.tool_calls_per_second:.1f}")
+        table.add_row(
+            "history drift",
+            f"{s.history_rewrites} re-rendered prompts differed from the sampled tokens "
+            f"({s.episodes_split} episodes split into segments)"
+            if s.history_rewrites
+            else "none",
+        )
         nf = non_finite if non_finite is not None else s.non_finite  # Ray: the workers' counts
         table.add_row(
             "non-finite logprobs",

@@ -141,6 +141,11 @@ class RolloutStatistics:
     stop_reasons: Mapping[str, int]
     non_finite: NonFiniteStats
     policy_version: int
+    history_rewrites: int = 0
+    """Times a chat template re-rendered history differently from what was sampled (chat
+    mode; each started a new segment). Token-in/token-out runs have none."""
+    episodes_split: int = 0
+    """Episodes that came back as more than one record because of those rewrites."""
 
     @property
     def tool_calls_per_second(self) -> float:
@@ -171,6 +176,8 @@ class EpisodeSummary:
     """The oldest ``policy_version_start`` of its records (what staleness is measured from)."""
     records: int
     """Its records (segments)."""
+    history_rewrites: int = 0
+    """Times its chat template rewrote history (chat mode): ``records - 1``."""
 
     @classmethod
     def of(cls, records: Sequence[Trajectory]) -> EpisodeSummary:
@@ -184,6 +191,7 @@ class EpisodeSummary:
             dropped=bool(first.extras.get("dropped")),
             policy_version_start=min(t.policy_version_start for t in records),
             records=len(records),
+            history_rewrites=int(first.extras.get("history_rewrites", 0)),
         )
 
 
@@ -369,6 +377,8 @@ class RolloutPool(AsyncResource):
         self._tool_calls = 0
         self._tool_failures = 0
         self._stop_reasons: Counter[str] = Counter()
+        self._rewrites = 0
+        self._split = 0
         self._active = False
         self._closed = False
 
@@ -402,6 +412,8 @@ class RolloutPool(AsyncResource):
             stop_reasons=dict(self._stop_reasons),
             non_finite=self.counters.snapshot(),
             policy_version=self._version,
+            history_rewrites=self._rewrites,
+            episodes_split=self._split,
         )
 
     def __repr__(self) -> str:
@@ -487,6 +499,9 @@ class RolloutPool(AsyncResource):
         self._tool_calls += summary.tool_calls
         self._tool_failures += summary.tool_failures
         self._stop_reasons[summary.stop_reason] += 1
+        if summary.history_rewrites:
+            self._rewrites += summary.history_rewrites
+            self._split += 1
         if summary.stop_reason in FAILED_STOP_REASONS:
             self._failed += 1
         if summary.dropped:

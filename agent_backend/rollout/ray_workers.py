@@ -139,7 +139,7 @@ class RolloutWorker:
 
     async def _hold(self) -> None:
         from agent_backend.pool import load_pool
-        from agent_backend.rollout.policy import OpenAICompatiblePolicy
+        from agent_backend.rollout.tokens import open_policy
 
         assert self._ready is not None
         try:
@@ -149,7 +149,7 @@ class RolloutWorker:
             async with (
                 load_pool(self._tool_pool) as backend,
                 Dispatcher(registry, backend) as dispatcher,
-                OpenAICompatiblePolicy(**self._policy_options, counters=self._counters) as policy,
+                open_policy(self._policy_options, counters=self._counters) as policy,
             ):
                 self._parts = (policy, dispatcher, registry.to_openai())
                 self._ready.set()
@@ -266,7 +266,8 @@ class RayRolloutWorkers(AsyncResource):
     ``max_restarts`` times when it dies. Every worker has its own policy
     client (``policy``: the keyword arguments of
     :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`, URL
-    included) and runs its episodes' tools on ``tool_pool`` (default: its own
+    included; with ``tokenizer`` a token-in/token-out policy instead:
+    :func:`~agent_backend.rollout.tokens.open_policy`) and runs its episodes' tools on ``tool_pool`` (default: its own
     node, the local pool): the tool files of ``tools_dir`` (default: the
     built-ins), and the pool file's ``tools``, Python functions imported by
     each worker and run in it. ``reward`` must pickle.

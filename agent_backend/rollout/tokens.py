@@ -30,18 +30,22 @@ sampled, and never send a prompt that does not start with the previous one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import anyio
+import anyio.to_thread
 import httpx
 import orjson
 
 from agent_backend.errors import PolicyError
 from agent_backend.rollout.chat_template import ChatTemplate
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
-from agent_backend.rollout.policy import AssistantTurn
+from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
 from agent_backend.rollout.server_client import PolicyServerClient, v1_url
 
 __all__ = [
@@ -49,6 +53,7 @@ __all__ = [
     "TokenPolicy",
     "TokenSampler",
     "VLLMTokenSampler",
+    "open_policy",
 ]
 
 
@@ -336,3 +341,33 @@ class VLLMTokenSampler(PolicyServerClient):
             logprobs=[_logprob(v) for v in values],
             finish_reason=str(finish) if finish else "stop",
         )
+
+
+@contextlib.asynccontextmanager
+async def open_policy(
+    options: Mapping[str, Any], *, counters: NonFiniteCounters | None = None
+) -> AsyncIterator[Policy]:
+    """The policy that ``options`` describe, open for the duration of the ``async with``.
+
+    ``options`` are :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`'s
+    keyword arguments (``url``, ``model``, ``temperature`` ...): chat completions.
+    With ``tokenizer`` (a local folder or an installed model name, loaded with
+    transformers) they describe a token-in/token-out :class:`TokenPolicy` over
+    :class:`VLLMTokenSampler` instead; ``chat_template_kwargs`` then go to the
+    template. What ``agent-backend rollout --tokenizer`` and Ray rollout workers use.
+    """
+    given = dict(options)
+    tokenizer = given.pop("tokenizer", None)
+    if tokenizer is None:
+        async with OpenAICompatiblePolicy(**given, counters=counters) as chat:
+            yield chat
+        return
+    non_finite: NonFinitePolicy = given.pop("non_finite", "fail")
+    template_kwargs = given.pop("chat_template_kwargs", None)
+    template = await anyio.to_thread.run_sync(
+        functools.partial(
+            ChatTemplate.from_pretrained, str(tokenizer), chat_template_kwargs=template_kwargs
+        )
+    )
+    async with VLLMTokenSampler(**given) as sampler:
+        yield TokenPolicy(sampler, template, non_finite=non_finite, counters=counters)

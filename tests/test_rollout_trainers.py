@@ -163,7 +163,8 @@ def test_episode_rows_one_row_per_expected_episode_in_order() -> None:
     rows = episode_rows(records, expect=expect, placeholder_token_id=99, failure_reward=-1.0)
     assert [(r.prompt_index, r.sample_idx) for r in rows] == expect
     # prompt 2: sample 0 has two segments (the last one is kept), sample 1 is real.
-    assert rows[1].segment_idx == 1 and rows[1].completion_ids == [5, 6]
+    assert rows[1].segment_idx == 1
+    assert rows[1].completion_ids == [5, 6]
     assert rows[1].extras["segments_dropped"] == 1
     assert not any(is_placeholder(r) for r in rows[:4])
     # prompt 1 sample 0 ended before its first turn (no tokens): a placeholder keeping its
@@ -172,7 +173,8 @@ def test_episode_rows_one_row_per_expected_episode_in_order() -> None:
     empty = rows[4]
     assert is_placeholder(empty)
     assert (empty.prompt_ids, empty.completion_ids, empty.completion_mask) == ([99], [99], [0])
-    assert empty.logprobs == [0.0] and empty.sampled_tokens == 0
+    assert empty.logprobs == [0.0]
+    assert empty.sampled_tokens == 0
     assert (empty.stop_reason, empty.error) == ("rollout_error", "policy server 503")
     assert empty.rollout_id == "r2"
     # prompt 7 never came back (a dropped group): two placeholders at failure_reward.
@@ -184,7 +186,8 @@ def test_episode_rows_one_row_per_expected_episode_in_order() -> None:
 def test_a_placeholder_takes_the_mean_reward_of_its_groups_real_rows() -> None:
     records = [traj(0, [1], [2], [1], reward=1.0), traj(1, [1], [2], [1], reward=3.0)]
     rows = episode_rows(records, expect=[(0, 0), (0, 1), (0, 2)], placeholder_token_id=0)
-    assert rows[2].reward == 2.0 and is_placeholder(rows[2])
+    assert rows[2].reward == 2.0
+    assert is_placeholder(rows[2])
 
 
 def test_episode_rows_refuses_a_repeated_key_and_mixed_rollouts() -> None:

@@ -11,29 +11,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from agent_backend.rollout.chat_template import ChatTemplate
     from agent_backend.rollout.episode import (
         EpisodeConfig,
         RewardInput,
         ToolReward,
         run_episode,
     )
-    from agent_backend.rollout.chat_template import ChatTemplate
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.logprobs import NonFinitePolicy, check_logprobs
     from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
     from agent_backend.rollout.pool import RolloutPool, RolloutStatistics
+    from agent_backend.rollout.tokens import (
+        SampledTokens,
+        TokenPolicy,
+        TokenSampler,
+        VLLMTokenSampler,
+    )
     from agent_backend.rollout.trainers import (
         batches,
         episode_rows,
         is_placeholder,
         to_trl,
         to_verl_fields,
-    )
-    from agent_backend.rollout.tokens import (
-        SampledTokens,
-        TokenPolicy,
-        TokenSampler,
-        VLLMTokenSampler,
     )
     from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
     from agent_backend.rollout.writers import JsonlWriter, ParquetWriter, open_writer

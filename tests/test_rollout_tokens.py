@@ -293,7 +293,7 @@ async def test_the_vllm_sampler_refuses_what_a_trainer_cannot_use(
     choice: dict[str, Any], match: str
 ) -> None:
     async with completions_server(lambda body: {"choices": [choice]}) as client:
-        sampler = VLLMTokenSampler("http://policy:8000", model="m", client=client)
+        sampler = VLLMTokenSampler("http://policy:8000", model="m", max_tokens=4, client=client)
         with pytest.raises(PolicyError, match=match):
             await sampler.sample([1])
     assert sampler.statistics().failures == 1
@@ -318,3 +318,10 @@ async def test_the_pool_counts_chat_drift_and_token_runs_have_none(
             stats = pool.statistics()
             assert (stats.history_rewrites, stats.episodes_split) == (rewrites, rewrites)
             assert len(records) == 6 + rewrites  # one record per episode, plus one per rewrite
+
+
+async def test_the_vllm_sampler_refuses_to_sample_without_a_token_bound() -> None:
+    async with completions_server(lambda body: {}) as client:
+        sampler = VLLMTokenSampler("http://policy:8000", model="m", client=client)
+        with pytest.raises(PolicyError, match="16 tokens"):
+            await sampler.sample([1])

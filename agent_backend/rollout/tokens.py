@@ -229,8 +229,8 @@ class VLLMTokenSampler(PolicyServerClient):
             model: the served model name; None: the first of ``GET /v1/models``.
             temperature, top_p: sampling parameters (RL samples at temperature 1).
             max_tokens: the most tokens one completion may sample, unless ``sample``
-                is given a smaller bound. Set it: an OpenAI completions endpoint
-                defaults to 16.
+                is given a smaller bound. Required here or per call: an OpenAI
+                completions endpoint samples 16 tokens without it.
             top_logprobs: alternatives per token (``logprobs``; the sampled token's
                 own logprob always comes first).
             extra_body: more request fields (``structured_outputs`` for guided decoding,
@@ -280,6 +280,14 @@ class VLLMTokenSampler(PolicyServerClient):
         if self.top_p is not None:
             body["top_p"] = self.top_p
         limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
+        if not limits and "max_tokens" not in self.extra_body:
+            # Without it an OpenAI completions endpoint samples 16 tokens: a silent cut.
+            raise PolicyError(
+                "VLLMTokenSampler needs max_tokens (the sampler's, or EpisodeConfig's "
+                "max_tokens_per_turn): the completions endpoint samples 16 tokens without it",
+                url=self.url,
+                retryable=False,
+            )
         if limits:
             body["max_tokens"] = min(limits)
         body.update(self.extra_body)

@@ -13,11 +13,19 @@ from typing import Any
 
 import pytest
 from sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
+from vllm_server import start_vllm_server
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # vLLM takes a minute or so to start: launch it now, so that it warms up while the tests
+    # that come before the first one to use it run.
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        start_vllm_server(session.config)
 
 
 def _require_sshd() -> None:

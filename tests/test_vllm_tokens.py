@@ -136,3 +136,80 @@ async def test_multi_turn_token_episodes_match_the_trainers_forward_pass(
         f"max |vLLM - transformers| = {worst:.2e}"
     )
     assert worst < 1e-3
+
+
+DIGIT_CALL = (
+    r'<tool_call>\{"name": "exec", "arguments": \{"command": "echo [1-9] \| tee answer\.txt"\}\}'
+    r"</tool_call>"
+)
+
+
+def test_trl_trains_on_token_episodes_sampled_by_the_real_server(
+    vllm_server: VLLMServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's GRPOTrainer, its rollout_func a TRLRollout over vLLM: two steps on CPU.
+
+    The server samples (guided to an ``exec`` call that writes a digit), exec runs on the local
+    pool, a ToolReward reads the digit back; TRL's loss mask keeps the tool's tokens out and
+    the weights move. The server is not given the new weights (docs/rollouts.md: staying
+    on-policy), so only the first step is on-policy here.
+    """
+    trl = pytest.importorskip("trl")
+    from test_integration_trl import (
+        digit_reward,
+        exec_only,
+        grpo_config,
+        pool_config,
+        train,
+    )
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agent_backend.integrations.trl import TRLRollout
+    from agent_backend.rollout import ToolReward
+
+    assert trl.__version__
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(vllm_server.model_dir, dtype="float32")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    class DigitFirst(VLLMTokenSampler):
+        def request_body(
+            self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+        ) -> dict[str, Any]:
+            body = super().request_body(prompt_ids, max_tokens=max_tokens)
+            if tokenizer.convert_tokens_to_ids("<tool_response>") not in prompt_ids:
+                body["structured_outputs"] = {"regex": DIGIT_CALL}
+                body["max_tokens"] = 160
+            return body
+
+    sampler = DigitFirst(vllm_server.url, model=vllm_server.model, max_tokens=8, temperature=2.0)
+    policy = TokenPolicy(sampler, ChatTemplate(tokenizer))
+    reward = ToolReward(("exec", {"command": "cat answer.txt"}), score=digit_reward)
+    with TRLRollout(
+        policy,
+        tools=exec_only(),
+        pool=pool_config(tmp_path),
+        reward=reward,
+        episode=EpisodeConfig(max_turns=2, timeout=120),
+        concurrency=8,
+    ) as rollout:
+        args = grpo_config(tmp_path, per_device_train_batch_size=8, max_completion_length=256)
+        trainer, recorder = train(
+            model, tokenizer, rollout, [f"Pick a digit, {i}." for i in range(8)], args
+        )
+        assert trainer.state.global_step == 2
+    assert leftover_workspaces(tmp_path / "ws") == []
+    response = tokenizer.convert_tokens_to_ids("<tool_response>")
+    for (prompts, out), scored in zip(recorder.calls, recorder.scored, strict=True):
+        assert len(out["completion_ids"]) == len(prompts) == 8
+        loss_mask = (scored["completion_mask"] * scored["tool_mask"]).tolist()
+        for row, (ids, env) in enumerate(zip(out["completion_ids"], out["env_mask"], strict=True)):
+            assert out["tool_calls"][row] == 1, out["error"][row]
+            assert loss_mask[row][: len(ids)] == env
+            assert loss_mask[row][ids.index(response)] == 0
+            assert 0 < sum(env) < len(ids)
+    changed = max(
+        float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters()
+    )
+    assert changed > 0

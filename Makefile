@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+TRAINERS := $(VENV)/.trainers-installed
 
 .PHONY: run test lint typecheck pytest bench system-deps vllm-env clean
 
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# TRL, verl, SkyRL and a CPU torch, which the integration tests run for real.
+$(TRAINERS): $(STAMP) scripts/ensure-trainers.sh
+	bash scripts/ensure-trainers.sh $(BIN)/python
+	touch $(TRAINERS)
 
 # The daemon on the built-in local pool; it prints its URL, where its token is,
 # and curl commands to call it (docs/daemon.md). Ctrl-C stops it cleanly.
@@ -36,7 +42,7 @@ vllm-env:
 	  if [ "$${CI:-}" = "true" ]; then exit 1; fi; \
 	  echo "warning: .venv-vllm could not be set up (see above); the vLLM tests will skip" >&2; }
 
-pytest: $(STAMP) system-deps vllm-env
+pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
 	$(BIN)/python -m pytest -W error -q
 
 test: lint typecheck pytest
@@ -53,5 +59,5 @@ bench: $(STAMP) system-deps
 	done; exit $$status
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis build
+	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache .hypothesis build
 	rm -f agent_backend/schema/_plain.*.so

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import os
 import pickle
 import pkgutil
 
@@ -21,8 +23,20 @@ def test_all_lists_exactly_the_public_names() -> None:
         assert hasattr(agent_backend, name), name
 
 
+#: Integration modules that import their framework, and the framework's top-level package.
+FRAMEWORKS = {
+    "agent_backend.integrations.verl": "verl",
+    "agent_backend.integrations.skyrl": "skyrl",
+}
+
+
 def test_every_subpackage_all_is_importable() -> None:
     for info in pkgutil.walk_packages(agent_backend.__path__, "agent_backend."):
+        framework = FRAMEWORKS.get(info.name)
+        if framework is not None and importlib.util.find_spec(framework) is None:
+            # A user without that trainer; make test installs them all (and CI must have them).
+            assert os.environ.get("CI") != "true", f"{framework} is not installed"
+            continue
         module = importlib.import_module(info.name)
         for name in getattr(module, "__all__", ()):
             assert hasattr(module, name), f"{info.name}.{name}"

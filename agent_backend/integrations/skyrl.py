@@ -449,10 +449,7 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
             group_retries=self.group_retries,
             max_failed_groups=self.max_failed_groups,
         )
-        records: list[Trajectory] = []
-        async with pool.stream(distinct, groups_per_batch=len(distinct)) as batches:
-            async for batch in batches:
-                records.extend(batch)
+        records = await pool.collect(distinct)
         rows = episode_rows(
             records,
             expect=keys,

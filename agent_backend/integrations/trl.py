@@ -193,10 +193,7 @@ class TRLRollout(SyncResource):
             group_retries=self.group_retries,
             max_failed_groups=self.max_failed_groups,
         )
-        records: list[Trajectory] = []
-        async with pool.stream(prompts, groups_per_batch=len(prompts)) as batches:
-            async for batch in batches:
-                records.extend(batch)
+        records = await pool.collect(prompts)
         self.last_statistics = pool.statistics()
         return records
 

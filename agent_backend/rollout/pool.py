@@ -722,6 +722,20 @@ class RolloutPool(AsyncResource):
         """
         return self._stream(prompts, ledger, groups_per_batch, as_refs)
 
+    async def collect(self, prompts: Sequence[Any]) -> list[Trajectory]:
+        """Every record the groups of ``prompts`` deliver, in one list: one trainer step's worth.
+
+        What a trainer that asks for a whole step at once (TRL's ``rollout_func``,
+        SkyRL's ``generate``) needs; groups left or dropped simply have no
+        records here (:func:`~agent_backend.rollout.trainers.episode_rows` makes
+        rows of them). No ledger: the caller's trainer keeps its own position.
+        """
+        records: list[Trajectory] = []
+        async with self.stream(prompts, groups_per_batch=max(1, len(prompts))) as batches:
+            async for batch in batches:
+                records.extend(batch)
+        return records
+
     @contextlib.asynccontextmanager
     async def _stream(
         self,

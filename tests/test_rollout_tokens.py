@@ -100,6 +100,11 @@ async def test_an_episode_is_one_record_whose_prompts_only_grow(
     )
     assert record.prompt_ids + record.completion_ids == second + sampler.completions[1]
     assert sum(record.completion_mask) == len(sampled)
+    # Each turn's sampled tokens, where they lie in the completion.
+    [(a0, b0), (a1, b1)] = record.turn_spans
+    assert (a0, b0 - a0) == (0, len(sampler.completions[0]))
+    assert record.completion_ids[a1:b1] == sampler.completions[1]
+    assert b1 == len(record.completion_ids)
     assert all(
         lp == (-0.5 if m else 0.0)
         for lp, m in zip(record.logprobs, record.completion_mask, strict=True)
@@ -231,6 +236,7 @@ async def test_non_finite_logprobs_are_handled_where_they_arrive(
         )
     assert record.stop_reason == stop_reason
     assert record.completion_mask.count(0) == mask_zeros
+    assert record.turn_spans == [(0, len(record.completion_ids))]  # the masked token stays in
     assert record.logprobs[0] == 0.0
     assert record.extras["non_finite_logprobs"] == 1
 

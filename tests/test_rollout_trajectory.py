@@ -90,6 +90,7 @@ def test_schema_has_exactly_the_issue_fields() -> None:
         "completion_ids",
         "completion_mask",
         "logprobs",
+        "turn_spans",
         "reward",
         "rewards",
         "policy_version_start",
@@ -229,6 +230,8 @@ def test_non_finite_json_input_is_refused() -> None:
         {"policy_version_start": 5, "policy_version_end": 4},
         {"tool_calls": 1, "tool_failures": 2},
         {"error": {"not": "a string"}},
+        {"turn_spans": [(0, 99)]},
+        {"turn_spans": [(1, 0)]},
     ],
 )
 def test_bad_records_are_refused(overrides: dict[str, Any]) -> None:
@@ -292,6 +295,7 @@ def test_tool_and_template_tokens_from_the_next_prompt_are_masked() -> None:
     assert t.completion_ids == [10, 11, 90, 91, 92, 12, 93, 94, 13, 14]
     assert t.completion_mask == [1, 1, 0, 0, 0, 1, 0, 0, 1, 1]
     assert t.logprobs == [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, 0.0, 0.0, -0.4, -0.5]
+    assert t.turn_spans == [(0, 2), (5, 6), (8, 10)]
     assert b.context_tokens == 12
 
 

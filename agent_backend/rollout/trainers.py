@@ -105,7 +105,9 @@ def placeholder(
     if token_id < 0:
         raise ValueError(f"a placeholder needs a token id >= 0, got {token_id}")
     fields: dict[str, Any] = (
-        like.model_dump(exclude={"prompt_ids", "completion_ids", "completion_mask", "logprobs"})
+        like.model_dump(
+            exclude={"prompt_ids", "completion_ids", "completion_mask", "logprobs", "turn_spans"}
+        )
         if like is not None
         else {
             "rollout_id": f"missing-p{prompt_index}-s{sample_idx}",

@@ -159,6 +159,9 @@ class Trajectory(pydantic.BaseModel):
     """1 on tokens the policy sampled (trained on), 0 on tool output and template tokens."""
     logprobs: list[float]
     """The sampler's logprob of each completion token; 0.0 where the mask is 0. Always finite."""
+    turn_spans: list[tuple[_Count, _Count]] = []
+    """``(start, stop)`` in ``completion_ids`` of each policy turn's sampled tokens, in order:
+    a turn's boundaries even where a token inside it was masked (a non-finite logprob)."""
 
     reward: _FiniteFloat
     """The episode's scalar reward."""
@@ -223,6 +226,14 @@ class Trajectory(pydantic.BaseModel):
                 f"logprobs must be 0.0 where completion_mask is 0; not at positions "
                 f"{_positions_text(unmasked)}"
             )
+        stop = 0
+        for start, end in self.turn_spans:
+            if not stop <= start <= end <= n:
+                raise ValueError(
+                    f"turn_spans must be ordered, non-overlapping spans within the {n} "
+                    f"completion tokens; got {self.turn_spans[:_SHOWN]}"
+                )
+            stop = end
         if self.policy_version_end < self.policy_version_start:
             raise ValueError(
                 f"policy_version_end ({self.policy_version_end}) is before "
@@ -287,6 +298,7 @@ class Segment:
     completion_ids: list[int] = field(default_factory=list)
     completion_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
     turns: int = 0
     """Policy turns sampled in this segment."""
 
@@ -298,6 +310,7 @@ class Segment:
             "completion_ids": list(self.completion_ids),
             "completion_mask": list(self.completion_mask),
             "logprobs": list(self.logprobs),
+            "turn_spans": list(self.turn_spans),
         }
 
     def _extends(self, prompt_ids: Sequence[int]) -> bool:
@@ -400,7 +413,9 @@ class SegmentBuilder:
                 self.rewrites += 1
             seg = Segment(segment_idx=len(self._segments), prompt_ids=[int(t) for t in prompt_ids])
             self._segments.append(seg)
+        start = len(seg.completion_ids)
         seg.completion_ids.extend(int(t) for t in completion_ids)
+        seg.turn_spans.append((start, len(seg.completion_ids)))
         seg.completion_mask.extend(turn_mask)
         seg.logprobs.extend(turn_logprobs)
         seg.turns += 1
@@ -426,7 +441,14 @@ class SegmentBuilder:
         (an episode that failed before the policy answered) there is one
         record with empty token lists.
         """
-        reserved = {"segment_idx", "prompt_ids", "completion_ids", "completion_mask", "logprobs"}
+        reserved = {
+            "segment_idx",
+            "prompt_ids",
+            "completion_ids",
+            "completion_mask",
+            "logprobs",
+            "turn_spans",
+        }
         clash = reserved & episode.keys()
         if clash:
             raise TypeError(f"build() sets {', '.join(sorted(clash))} itself")

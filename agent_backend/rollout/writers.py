@@ -267,6 +267,7 @@ def _arrow_schema(pa: Any) -> Any:
             ("completion_ids", pa.list_(i64)),
             ("completion_mask", pa.list_(pa.int8())),
             ("logprobs", pa.list_(f64)),
+            ("turn_spans", pa.list_(pa.list_(i64))),
             ("reward", f64),
             ("rewards", pa.map_(text, f64)),
             ("policy_version_start", i64),

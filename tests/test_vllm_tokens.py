@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import pydantic
 import pytest
 from policy_server import leftover_workspaces, local_dispatcher
 from vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
@@ -28,6 +29,7 @@ from agent_backend.rollout import (
     Trajectory,
     VLLMTokenSampler,
 )
+from agent_backend.tools import ToolRegistry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(STARTUP_TIMEOUT + 120)]
 
@@ -213,3 +215,68 @@ def test_trl_trains_on_token_episodes_sampled_by_the_real_server(
         float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters()
     )
     assert changed > 0
+
+
+WORD_CALL = r'<tool_call>\{"name": "word", "arguments": \{"text": "[a-z]{1,8}"\}\}</tool_call>'
+
+
+def word_registry() -> Any:
+    """One tool whose arguments a random model cannot make long: a short lowercase word."""
+    registry = ToolRegistry()
+
+    @registry.tool
+    def word(text: Annotated[str, pydantic.Field(pattern="^[a-z]{1,8}$")]) -> str:
+        """Say a word back.
+
+        Args:
+            text: A short lowercase word.
+        """
+        return text.upper()
+
+    return registry
+
+
+async def test_chat_mode_splits_where_calls_are_re_rendered_and_token_mode_does_not(
+    vllm_server: VLLMServer, tmp_path: Path
+) -> None:
+    """Through the real server: the chat endpoint samples a call in its guided form and the
+    template re-renders it as its own, so every later prompt stops extending the sampled
+    tokens (one more record per turn); token in, token out keeps one record."""
+    from agent_backend import DEFAULT_POOL, Dispatcher, load_pool
+    from agent_backend.rollout import OpenAICompatiblePolicy, run_episode
+
+    template = ChatTemplate.from_pretrained(str(vllm_server.model_dir))
+    prompt = [{"role": "user", "content": "say three words"}]
+    config = EpisodeConfig(max_turns=3)
+    pool = DEFAULT_POOL.model_copy(update={"workspace_root": str(tmp_path / "ws")})
+    async with load_pool(pool) as backend, Dispatcher(word_registry(), backend) as dispatcher:
+        async with OpenAICompatiblePolicy(
+            vllm_server.url,
+            model=vllm_server.model,
+            max_tokens=160,
+            extra_body={"tool_choice": "required", "parallel_tool_calls": False, "seed": 5},
+        ) as chat:
+            chat_records = await run_episode(
+                prompt, policy=chat, dispatcher=dispatcher, config=config
+            )
+        async with VLLMTokenSampler(
+            vllm_server.url,
+            model=vllm_server.model,
+            max_tokens=160,
+            extra_body={"structured_outputs": {"regex": WORD_CALL}, "seed": 5},
+        ) as sampler:
+            token_records = await run_episode(
+                prompt, policy=TokenPolicy(sampler, template), dispatcher=dispatcher, config=config
+            )
+    for records in (chat_records, token_records):
+        assert records[0].stop_reason == "max_turns", (records[0].error, records[0].messages)
+        assert (records[0].num_turns, records[0].tool_calls, records[0].tool_failures) == (3, 2, 0)
+    print(
+        f"3-turn episode through vLLM: chat mode {len(chat_records)} records "
+        f"({chat_records[0].extras.get('history_rewrites', 0)} history rewrites), "
+        f"token in/token out {len(token_records)}"
+    )
+    assert len(chat_records) == 3
+    assert chat_records[0].extras["history_rewrites"] == 2
+    assert len(token_records) == 1
+    assert "history_rewrites" not in token_records[0].extras

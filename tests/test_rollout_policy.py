@@ -205,7 +205,7 @@ async def test_4xx_is_not_retried(policy_server: PolicyServer) -> None:
 async def test_connection_refused_is_retried_then_raised() -> None:
     url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
     async with OpenAICompatiblePolicy(url, model="m", max_retries=2, backoff=0.01) as policy:
-        with pytest.raises(PolicyError, match="ConnectError") as caught:
+        with pytest.raises(PolicyError, match="ClientConnectorError") as caught:
             await policy.generate(MESSAGES, [])
         assert policy.statistics().requests == 3
     assert caught.value.retryable is True

@@ -8,13 +8,14 @@ server's side is tests/test_vllm_tokens.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from aiohttp import web
 from policy_server import local_dispatcher
 from tiny_model import build_tiny_model
 
@@ -250,11 +251,26 @@ async def test_an_episode_policy_refuses_a_conversation_it_did_not_extend(
         await episode.generate([*PROMPT, {"role": "assistant", "content": "a"}], [])
 
 
-def completions_server(answer: Callable[[dict[str, Any]], dict[str, Any]]) -> httpx.AsyncClient:
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json=answer(json.loads(request.content)))
+@contextlib.asynccontextmanager
+async def completions_server(
+    answer: Callable[[dict[str, Any]], dict[str, Any]],
+) -> AsyncIterator[str]:
+    """A real HTTP server on 127.0.0.1 answering ``/v1/completions`` with ``answer(body)``."""
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handle))
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response(answer(await request.json()))
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def test_the_vllm_sampler_sends_token_ids_and_reads_ids_and_logprobs() -> None:
@@ -272,13 +288,13 @@ async def test_the_vllm_sampler_sends_token_ids_and_reads_ids_and_logprobs() -> 
             ]
         }
 
-    async with completions_server(answer) as client:
-        sampler = VLLMTokenSampler(
-            "http://policy:8000", model="m", max_tokens=8, client=client, extra_body={"seed": 1}
-        )
+    async with (
+        completions_server(answer) as url,
+        VLLMTokenSampler(url, model="m", max_tokens=8, extra_body={"seed": 1}) as sampler,
+    ):
         out = await sampler.sample([1, 2, 3], max_tokens=4)
     assert out == SampledTokens([5, 6], [-0.1, -0.2], "length")
-    assert sampler.url == "http://policy:8000/v1/completions"
+    assert sampler.url == f"{url}/v1/completions"
     body = seen[0]
     assert body["prompt"] == [1, 2, 3]
     assert body["max_tokens"] == 4
@@ -298,8 +314,10 @@ async def test_the_vllm_sampler_sends_token_ids_and_reads_ids_and_logprobs() -> 
 async def test_the_vllm_sampler_refuses_what_a_trainer_cannot_use(
     choice: dict[str, Any], match: str
 ) -> None:
-    async with completions_server(lambda body: {"choices": [choice]}) as client:
-        sampler = VLLMTokenSampler("http://policy:8000", model="m", max_tokens=4, client=client)
+    async with (
+        completions_server(lambda body: {"choices": [choice]}) as url,
+        VLLMTokenSampler(url, model="m", max_tokens=4) as sampler,
+    ):
         with pytest.raises(PolicyError, match=match):
             await sampler.sample([1])
     assert sampler.statistics().failures == 1
@@ -327,7 +345,9 @@ async def test_the_pool_counts_chat_drift_and_token_runs_have_none(
 
 
 async def test_the_vllm_sampler_refuses_to_sample_without_a_token_bound() -> None:
-    async with completions_server(lambda body: {}) as client:
-        sampler = VLLMTokenSampler("http://policy:8000", model="m", client=client)
+    async with (
+        completions_server(lambda body: {}) as url,
+        VLLMTokenSampler(url, model="m") as sampler,
+    ):
         with pytest.raises(PolicyError, match="16 tokens"):
             await sampler.sample([1])

@@ -51,7 +51,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import httpx
+import aiohttp
 import orjson
 
 from agent_backend.errors import PolicyError
@@ -169,7 +169,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         max_backoff: float = 10.0,
         extra_body: Mapping[str, Any] | None = None,
         counters: NonFiniteCounters | None = None,
-        client: httpx.AsyncClient | None = None,
+        client: aiohttp.ClientSession | None = None,
     ) -> None:
         """
         Args:
@@ -190,7 +190,8 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             extra_body: more request fields (e.g. ``{"return_input_ids": true}`` for
                 SGLang's sglext, ``chat_template_kwargs``, ``repetition_penalty``).
             counters: where non-finite logprobs are counted (shared with a pool).
-            client: an httpx client to use (not closed here); default: one of our own.
+            client: an aiohttp session to use (not closed here); default: our own, made on
+                first use.
         """
         if top_logprobs < 1:
             raise ValueError("top_logprobs must be at least 1 (PITFALLS 22)")

@@ -10,6 +10,15 @@ jitter a bounded number of times (the project's one backoff helper); other
 parsed with the standard parser, which reads ``NaN`` literals, so that a
 non-finite logprob is seen where it arrives and handled (PITFALLS 21).
 
+The HTTP client is aiohttp (the project's client library). Measured side by
+side through the real vLLM CPU server (bench/rollout_vllm_bench.py), httpx
+reusing keep-alive connections against vLLM's uvicorn spread 64 concurrent
+requests over seconds and made the engine run many small batches (3-5x its CPU
+per episode); aiohttp sends them as they come. Idle connections are kept for
+less than uvicorn's 5 s keep-alive, so a request never lands on one the
+server is closing. The session is created on first use, on the event loop
+that uses it (asyncio: aiohttp's own), and closed by :meth:`aclose`.
+
 This module must never retry a request the server refused for its content,
 and never hide a failure behind a default.
 """
@@ -21,8 +30,8 @@ import json
 import random
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 
 from agent_backend.backoff import backoff_delay
 from agent_backend.errors import PolicyError, clip
@@ -33,6 +42,8 @@ __all__ = ["PolicyServerClient", "PolicyStatistics", "v1_url"]
 # HTTP statuses worth another attempt: the server is overloaded, restarting or timed out.
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _BODY_SHOWN = 300
+# Below uvicorn's default keep-alive (5 s): an idle connection is dropped here first.
+_KEEPALIVE = 4.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,7 +87,7 @@ class PolicyServerClient(AsyncResource):
         max_retries: int,
         backoff: float,
         max_backoff: float,
-        client: httpx.AsyncClient | None,
+        client: aiohttp.ClientSession | None,
     ) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be positive")
@@ -93,10 +104,7 @@ class PolicyServerClient(AsyncResource):
             headers["Authorization"] = f"Bearer {api_key}"
         self._headers = headers
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-        )
+        self._client = client
         self._closed = False
         self._requests = 0
         self._turns = 0
@@ -120,9 +128,18 @@ class PolicyServerClient(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        if self._owns_client:
+        if self._owns_client and self._client is not None:
             with anyio.CancelScope(shield=True):
-                await self._client.aclose()
+                await self._client.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        """The HTTP session: the caller's, or ours, created on first use (on this loop)."""
+        if self._client is None:
+            self._client = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=_KEEPALIVE),
+                timeout=aiohttp.ClientTimeout(total=None),  # each attempt: anyio.fail_after
+            )
+        return self._client
 
     def _check_open(self) -> None:
         if self._closed:
@@ -135,10 +152,10 @@ class PolicyServerClient(AsyncResource):
             models_url = self.url.rsplit("/v1/", 1)[0] + "/v1/models"
             try:
                 with anyio.fail_after(self.timeout):
-                    response = await self._client.get(models_url, headers=self._headers)
-                data = response.json()
+                    async with self._session().get(models_url, headers=self._headers) as response:
+                        data = json.loads(await response.read())
                 self.model = str(data["data"][0]["id"])
-            except (httpx.HTTPError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError):
                 raise PolicyError(
                     f"no model name given and {models_url} did not name one; pass model=",
                     url=models_url,
@@ -157,23 +174,23 @@ class PolicyServerClient(AsyncResource):
             self._requests += 1
             try:
                 with anyio.fail_after(self.timeout):
-                    response = await self._client.post(
-                        self.url, content=payload, headers=self._headers
-                    )
-            except (httpx.TransportError, TimeoutError) as exc:
+                    async with self._session().post(
+                        self.url, data=payload, headers=self._headers
+                    ) as response:
+                        status, body = response.status, await response.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 what = (
                     "timed out"
-                    if isinstance(exc, (TimeoutError, httpx.TimeoutException))
+                    if isinstance(exc, TimeoutError)
                     else (f"failed: {type(exc).__name__}: {clip(str(exc), 200)}")
                 )
                 last = PolicyError(
                     f"the policy server at {self.url} {what}", url=self.url, retryable=True
                 )
                 continue
-            status = response.status_code
             if status == 200:
-                return self._json(response)
-            detail = clip(response.text, _BODY_SHOWN)
+                return self._json(status, body)
+            detail = clip(body.decode("utf-8", "replace"), _BODY_SHOWN)
             last = PolicyError(
                 f"the policy server at {self.url} answered HTTP {status}: {detail}",
                 status=status,
@@ -192,16 +209,16 @@ class PolicyServerClient(AsyncResource):
             )
         raise last
 
-    def _json(self, response: httpx.Response) -> Any:
+    def _json(self, status: int, body: bytes) -> Any:
         try:
             # The standard parser, not orjson: it reads NaN/Infinity literals, which a
             # server may send as logprobs; they must be seen and handled, not refused.
-            return json.loads(response.content)
+            return json.loads(body)
         except ValueError as exc:
             raise PolicyError(
                 f"the policy server at {self.url} answered with invalid JSON ({exc}): "
-                f"{clip(response.text, _BODY_SHOWN)}",
-                status=response.status_code,
+                f"{clip(body.decode('utf-8', 'replace'), _BODY_SHOWN)}",
+                status=status,
                 url=self.url,
             ) from None
 

@@ -37,9 +37,9 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import aiohttp
 import anyio
 import anyio.to_thread
-import httpx
 import orjson
 
 from agent_backend.errors import PolicyError
@@ -221,7 +221,7 @@ class VLLMTokenSampler(PolicyServerClient):
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         extra_body: Mapping[str, Any] | None = None,
-        client: httpx.AsyncClient | None = None,
+        client: aiohttp.ClientSession | None = None,
     ) -> None:
         """
         Args:

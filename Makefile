@@ -53,8 +53,8 @@ test: lint typecheck pytest
 # `make bench` runs them all and fails if any figure is missed; each also runs alone.
 BENCHES := validator_bench schema_bench ssh_bench daemon_bench ray_bench rollout_bench rollout_resume_bench rollout_vllm_bench
 
-bench: $(STAMP) system-deps
-	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+bench: $(TRAINERS) system-deps vllm-env
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench,tokens,verl]'
 	@status=0; for b in $(BENCHES); do \
 	  echo "===== bench/$$b.py"; $(BIN)/python bench/$$b.py || status=1; \
 	done; exit $$status

@@ -197,6 +197,9 @@ def _command(
         # <tool_call> envelope: a random model then emits calls that validate.
         "--tool-strict-level",
         "parameter",
+        # /inference/v1/generate (token ids in and out), which SkyRL's RemoteInferenceClient
+        # posts to (tests/test_integration_skyrl.py); 403 without it.
+        "--enable-scale-out",
         "--disable-log-stats",
         "--uvicorn-log-level",
         "warning",

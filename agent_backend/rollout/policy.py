@@ -204,21 +204,14 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             backoff=backoff,
             max_backoff=max_backoff,
             client=client,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            extra_body=extra_body,
         )
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_tokens = max_tokens
         self.top_logprobs = top_logprobs
         self.non_finite: NonFinitePolicy = non_finite
-        self.extra_body = dict(extra_body or {})
         self.counters = counters if counters is not None else NonFiniteCounters()
-
-    def __repr__(self) -> str:
-        state = " closed" if self._closed else ""
-        return (
-            f"<OpenAICompatiblePolicy {self.url} model={self.model!r}"
-            f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
-        )
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -232,24 +225,15 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         """The JSON body of one chat-completions request (shown in docs/rollouts.md)."""
         body: dict[str, Any] = {
             "messages": list(messages),
-            "temperature": self.temperature,
             "logprobs": True,
             "top_logprobs": self.top_logprobs,
             "return_token_ids": True,
             "stream": False,
             "n": 1,
         }
-        if self.model is not None:
-            body["model"] = self.model
         if tools:
             body["tools"] = list(tools)
-        if self.top_p is not None:
-            body["top_p"] = self.top_p
-        limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
-        if limits:
-            body["max_tokens"] = min(limits)
-        body.update(self.extra_body)
-        return body
+        return self._sampling(body, max_tokens)
 
     async def generate(
         self,

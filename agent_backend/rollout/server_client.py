@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
@@ -88,6 +89,10 @@ class PolicyServerClient(AsyncResource):
         backoff: float,
         max_backoff: float,
         client: aiohttp.ClientSession | None,
+        temperature: float,
+        top_p: float | None,
+        max_tokens: int | None,
+        extra_body: Mapping[str, Any] | None,
     ) -> None:
         if not timeout > 0:
             raise ValueError("timeout must be positive")
@@ -99,6 +104,10 @@ class PolicyServerClient(AsyncResource):
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_tokens = max_tokens
+        self.extra_body = dict(extra_body or {})
         headers = {"Content-Type": "application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
@@ -113,6 +122,26 @@ class PolicyServerClient(AsyncResource):
         self._seconds = 0.0
         self._model_lock = anyio.Lock()
         self._random = random.Random()
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return (
+            f"<{type(self).__name__} {self.url} model={self.model!r}"
+            f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
+        )
+
+    def _sampling(self, body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+        """``body`` with the model, the sampling parameters and ``extra_body`` (which wins)."""
+        body["temperature"] = self.temperature
+        if self.model is not None:
+            body["model"] = self.model
+        if self.top_p is not None:
+            body["top_p"] = self.top_p
+        limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
+        if limits:
+            body["max_tokens"] = min(limits)
+        body.update(self.extra_body)
+        return body
 
     def statistics(self) -> PolicyStatistics:
         return PolicyStatistics(

@@ -134,7 +134,7 @@ class EpisodeTokens:
         self._last_ids: list[int] = []
 
     def __repr__(self) -> str:
-        return f"<EpisodeTokens turns context={len(self._context)} tokens>"
+        return f"<EpisodeTokens context={len(self._context)} tokens>"
 
     def _prompt(
         self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
@@ -248,39 +248,29 @@ class VLLMTokenSampler(PolicyServerClient):
             backoff=backoff,
             max_backoff=max_backoff,
             client=client,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            extra_body=extra_body,
         )
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_tokens = max_tokens
         self.top_logprobs = top_logprobs
-        self.extra_body = dict(extra_body or {})
-
-    def __repr__(self) -> str:
-        state = " closed" if self._closed else ""
-        return (
-            f"<VLLMTokenSampler {self.url} model={self.model!r}"
-            f" [turns: {self._turns} | retries: {self._retries} | failures: {self._failures}]{state}>"
-        )
 
     def request_body(
         self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
     ) -> dict[str, Any]:
         """The JSON body of one completions request."""
-        body: dict[str, Any] = {
-            "prompt": [int(t) for t in prompt_ids],
-            "temperature": self.temperature,
-            "logprobs": self.top_logprobs,
-            "return_token_ids": True,
-            "skip_special_tokens": False,
-            "stream": False,
-            "n": 1,
-        }
-        if self.model is not None:
-            body["model"] = self.model
-        if self.top_p is not None:
-            body["top_p"] = self.top_p
-        limits = [m for m in (max_tokens, self.max_tokens) if m is not None]
-        if not limits and "max_tokens" not in self.extra_body:
+        body = self._sampling(
+            {
+                "prompt": [int(t) for t in prompt_ids],
+                "logprobs": self.top_logprobs,
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+                "stream": False,
+                "n": 1,
+            },
+            max_tokens,
+        )
+        if "max_tokens" not in body:
             # Without it an OpenAI completions endpoint samples 16 tokens: a silent cut.
             raise PolicyError(
                 "VLLMTokenSampler needs max_tokens (the sampler's, or EpisodeConfig's "
@@ -288,9 +278,6 @@ class VLLMTokenSampler(PolicyServerClient):
                 url=self.url,
                 retryable=False,
             )
-        if limits:
-            body["max_tokens"] = min(limits)
-        body.update(self.extra_body)
         return body
 
     async def sample(

@@ -79,7 +79,7 @@ class ChatTemplate:
         if len(ids) != 1:
             raise ValueError(f"end_of_turn {eot!r} is {len(ids)} tokens, not one")
         self.end_of_turn_id: int = ids[0]
-        self._continuations: dict[tuple[str, str], tuple[str, str]] = {}
+        self._bases: dict[str, tuple[str, str]] = {}
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> ChatTemplate:
@@ -155,21 +155,7 @@ class ChatTemplate:
     def _continuation(
         self, new_messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
     ) -> tuple[str, str]:
-        key = (
-            json.dumps([dict(t) for t in tools], sort_keys=True, default=str),
-            json.dumps([dict(m) for m in new_messages], sort_keys=True, default=str),
-        )
-        cached = self._continuations.get(key)
-        if cached is not None:
-            return cached
-        base = self.render_text(_BASE, tools, add_generation_prompt=False)
-        end = base.rfind(self.end_of_turn)
-        if end < 0:
-            raise PolicyError(
-                f"the chat template does not end an assistant turn with {self.end_of_turn!r}; "
-                "pass ChatTemplate(end_of_turn=...)"
-            )
-        glue = base[end + len(self.end_of_turn) :]
+        base, glue = self._base(tools)
         full = self.render_text([*_BASE, *new_messages], tools, add_generation_prompt=True)
         if not full.startswith(base):
             at = next(
@@ -181,9 +167,28 @@ class ChatTemplate:
                 f"added (first difference at character {at}: {clip(base[at:], 60)!r} became "
                 f"{clip(full[at:], 60)!r}); token-in/token-out cannot extend it"
             )
-        value = (glue, full[len(base) :])
-        if len(self._continuations) < 1024:  # tool results differ; the cache serves user turns
-            self._continuations[key] = value
+        return glue, full[len(base) :]
+
+    def _base(self, tools: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+        """The fixed conversation rendered with ``tools``, and the glue after its end of turn.
+
+        Rendered once per tool list (an episode offers the same tools every turn);
+        only the new messages are rendered each turn.
+        """
+        key = json.dumps([dict(t) for t in tools], sort_keys=True, default=str)
+        cached = self._bases.get(key)
+        if cached is not None:
+            return cached
+        base = self.render_text(_BASE, tools, add_generation_prompt=False)
+        end = base.rfind(self.end_of_turn)
+        if end < 0:
+            raise PolicyError(
+                f"the chat template does not end an assistant turn with {self.end_of_turn!r}; "
+                "pass ChatTemplate(end_of_turn=...)"
+            )
+        value = (base, base[end + len(self.end_of_turn) :])
+        if len(self._bases) < 64:
+            self._bases[key] = value
         return value
 
     # -- completions ------------------------------------------------------------------------------

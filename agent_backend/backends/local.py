@@ -1,8 +1,9 @@
 """The local backend: tool commands run as subprocesses of this process, on this machine.
 
 One :class:`LocalHost` per backend. Every command runs in its own process
-group (``start_new_session=True``) so that a timeout, a cancellation or the
-end of the call can signal everything it started: SIGTERM to the group, then
+group (:mod:`~agent_backend.backends.local_process`, which says why a group
+and not a session) so that a timeout, a cancellation or the end of the call
+can signal everything it started: SIGTERM to the group, then
 SIGKILL after ``kill_grace`` seconds. The leader's exit is not the end of a
 call: anything left in its group (``sleep 100 &``) is ended the same way, so
 nothing a call started outlives it. stdout and stderr are read as they arrive
@@ -28,18 +29,17 @@ import logging
 import os
 import signal
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, ClassVar, Literal
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import pydantic
 
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
+from agent_backend.backends.local_process import ChildProcess, spawn
 from agent_backend.dispatch.backend import (
     Backend,
     Command,
@@ -61,9 +61,8 @@ _ENV_NAME = r"^[^=\x00]+$"
 # Spawn failures that mean this machine is out of something: infrastructure, raised.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
 # After the group is ended, how long pipes still held by an escaped process
-# (one that left the group with setsid) may keep the call from returning.
+# (one that left the group with setsid or setpgid) may keep the call from returning.
 _DRAIN_SECONDS = 1.0
-_READ_CHUNK = 256 * 1024
 
 
 class LocalPoolConfig(pydantic.BaseModel):
@@ -171,28 +170,6 @@ async def _group_alive(pgid: int) -> bool:
     if not _signal_group(pgid, 0):
         return False
     return await anyio.to_thread.run_sync(_live_member, pgid, abandon_on_cancel=True)
-
-
-async def _pump(stream: anyio.abc.ByteReceiveStream | None, buffer: OutputBuffer) -> None:
-    if stream is None:
-        return
-    try:
-        while True:
-            buffer.feed(await stream.receive(_READ_CHUNK))
-    except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-        pass
-
-
-async def _feed(stream: anyio.abc.ByteSendStream | None, data: bytes) -> None:
-    if stream is None:
-        return
-    try:
-        if data:
-            await stream.send(data)
-        await stream.aclose()
-    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-        # The command exited (or was killed) without reading all of its input.
-        pass
 
 
 def _busy_result(host: str, duration: float) -> CommandResult:
@@ -408,14 +385,17 @@ class LocalHost(Host):
             try:
                 # The timeout covers waiting for a slot too: a call never takes
                 # much longer than its timeout, however busy the host is.
-                with anyio.move_on_after(command.timeout) as queue:
-                    self._queued += 1
-                    try:
-                        await self._slots.acquire()
-                    finally:
-                        self._queued -= 1
-                if queue.cancelled_caught:
-                    return _busy_result(self.name, time.monotonic() - started)
+                try:  # a free slot is taken without a trip through the event loop
+                    self._slots.acquire_nowait()
+                except anyio.WouldBlock:
+                    with anyio.move_on_after(command.timeout) as queue:
+                        self._queued += 1
+                        try:
+                            await self._slots.acquire()
+                        finally:
+                            self._queued -= 1
+                    if queue.cancelled_caught:
+                        return _busy_result(self.name, time.monotonic() - started)
                 try:
                     self._active += 1
                     return await self._execute(command, started)
@@ -437,64 +417,43 @@ class LocalHost(Host):
     async def _execute(self, command: Command, started: float) -> CommandResult:
         argv = self._argv(command)
         cwd = command.cwd or self.config.default_cwd or self._scratch
+        stdout = OutputBuffer(command.output_limit)
+        stderr = OutputBuffer(command.output_limit)
         try:
             # Shielded: a cancellation landing mid-spawn would lose a process
             # that is already running (and its pipes). It lands just below
             # instead, where the group is ended on the way out.
             with anyio.CancelScope(shield=True):
-                process = await anyio.open_process(
+                process = await spawn(
                     argv,
-                    stdin=subprocess.PIPE if command.stdin is not None else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
                     cwd=cwd,
                     env=self._environment(command.env),
-                    start_new_session=True,
+                    stdin=command.stdin is not None,
+                    stdout=stdout,
+                    stderr=stderr,
                 )
         except (OSError, ValueError) as exc:
             return self._spawn_failure(exc, argv[0], cwd, started)
-        stdout = OutputBuffer(command.output_limit)
-        stderr = OutputBuffer(command.output_limit)
         timed_out = False
         try:
-            async with anyio.create_task_group() as pumps:
-                stdout_done = anyio.Event()
-                stderr_done = anyio.Event()
-
-                async def read(
-                    stream: anyio.abc.ByteReceiveStream | None,
-                    buffer: OutputBuffer,
-                    done: anyio.Event,
-                ) -> None:
-                    try:
-                        await _pump(stream, buffer)
-                    finally:
-                        done.set()
-
-                pumps.start_soon(read, process.stdout, stdout, stdout_done)
-                pumps.start_soon(read, process.stderr, stderr, stderr_done)
-                if command.stdin is not None:
-                    pumps.start_soon(_feed, process.stdin, command.stdin)
-                try:
-                    with anyio.move_on_after(
-                        command.timeout - (time.monotonic() - started)
-                    ) as limit:
-                        await process.wait()
-                    timed_out = limit.cancelled_caught
-                finally:
-                    # On every way out (exit, timeout, cancellation): end the group,
-                    # then let the pipes drain, bounded, and stop reading.
-                    with anyio.CancelScope(shield=True):
-                        await self._end_group(process)
-                        with anyio.move_on_after(_DRAIN_SECONDS):
-                            await stdout_done.wait()
-                            await stderr_done.wait()
-                    pumps.cancel_scope.cancel()
+            if command.stdin is not None:
+                process.feed_stdin(command.stdin)
+            with anyio.move_on_after(command.timeout - (time.monotonic() - started)) as limit:
+                await process.wait_exit()
+            timed_out = limit.cancelled_caught
         finally:
+            # On every way out (exit, timeout, cancellation): end the group, then
+            # let the pipes drain, bounded, and close them.
             with anyio.CancelScope(shield=True):
-                await process.aclose()
-        assert process.returncode is not None
-        exit_status, signal_name = _exit_of(process.returncode)
+                try:
+                    await self._end_group(process)
+                    with anyio.move_on_after(_DRAIN_SECONDS):
+                        await process.wait_pipes_closed()
+                finally:
+                    process.close()
+        returncode = process.returncode
+        assert returncode is not None
+        exit_status, signal_name = _exit_of(returncode)
         return CommandResult(
             exit_status=exit_status,
             signal=signal_name,
@@ -505,7 +464,7 @@ class LocalHost(Host):
             host=self.name,
         )
 
-    async def _end_group(self, process: anyio.abc.Process) -> None:
+    async def _end_group(self, process: ChildProcess) -> None:
         """End everything left in the call's process group: SIGTERM, grace, SIGKILL."""
         pgid = process.pid
         if not await _group_alive(pgid):
@@ -520,7 +479,7 @@ class LocalHost(Host):
         _signal_group(pgid, signal.SIGKILL)
         # SIGKILL cannot be caught; wait (bounded) only so the leader's status is known.
         with anyio.move_on_after(1.0):
-            await process.wait()
+            await process.wait_exit()
 
     def _spawn_failure(
         self, exc: OSError | ValueError, program: str, cwd: str | None, started: float
@@ -573,6 +532,8 @@ class LocalHost(Host):
 
     async def realpath(self, path: str) -> str:
         self._check_open()
+        if path in self._workspaces:  # made here, resolved when made: no thread hop
+            return path
         return await anyio.to_thread.run_sync(os.path.realpath, path, abandon_on_cancel=True)
 
     async def read_file(self, path: str, *, limit: int) -> FileData:

@@ -290,7 +290,8 @@ def mcp_command(
     registry = _pool_registry(tools_dir, backend)
 
     async def main() -> None:
-        async with backend, Dispatcher(registry, backend) as dispatcher:
+        # The stdio connection's session lives as long as the process: never reaped.
+        async with backend, Dispatcher(registry, backend, session_ttl=None) as dispatcher:
             await serve_stdio(dispatcher)
 
     try:

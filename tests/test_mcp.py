@@ -13,7 +13,7 @@ from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 from mcp.client.streamable_http import streamable_http_client
 
 from agent_backend.dispatch import ToolResult
-from agent_backend.mcp import call_result
+from agent_backend.mcp import RESULT_META_KEY, call_result
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +38,9 @@ async def _exercise(client: mcp.Client, expected_tools: set[str]) -> None:
     assert failed.is_error
     assert "exited with status 7" in _text(failed)
     assert "partial" in _text(failed)
-    assert failed.structured_content is not None
-    assert failed.structured_content["error_type"] == "NonZeroExit"
+    assert failed.structured_content is None
+    assert failed.meta is not None
+    assert failed.meta[RESULT_META_KEY]["error_type"] == "NonZeroExit"
 
     bad = await client.call_tool("exec", {"command": 5, "argv": "not a list"})
     assert bad.is_error

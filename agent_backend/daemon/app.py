@@ -12,7 +12,7 @@ POST     /v1/sessions               open a session -> {id, host, workspace}
 DELETE   /v1/sessions/{id}          close it
 GET      /metrics                   Prometheus text exposition
 GET      /openapi.json              this API's OpenAPI document
-*        /mcp                       MCP streamable HTTP transport (stateless, JSON)
+*        /mcp                       MCP streamable HTTP transport (sessions, JSON; docs/mcp.md)
 =======  =========================  ==================================================
 
 A call's outcome is a :class:`~agent_backend.dispatch.ToolResult` with 200,
@@ -41,7 +41,6 @@ import pydantic
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agent_backend.daemon.auth import PRINCIPAL_KEY, BearerAuth
@@ -53,6 +52,8 @@ from agent_backend.daemon.errors import (
 )
 from agent_backend.daemon.idempotency import Idempotency, IdempotencyStore
 from agent_backend.daemon.limits import BODY_KEY, BodyLimit, ConcurrencyLimit, InFlight
+from agent_backend.daemon.mcp_http import JsonRpcRefusals, McpEndpoint, loopback_guard, mount
+from agent_backend.daemon.mcp_sessions import McpSessions
 from agent_backend.daemon.metrics import CONTENT_TYPE, Metrics
 from agent_backend.daemon.sessions import SessionTable
 from agent_backend.daemon.settings import DaemonSettings
@@ -322,27 +323,49 @@ class DaemonApp:
         return self.api.openapi()
 
 
-def _mcp_app(dispatcher: Dispatcher, settings: DaemonSettings) -> Any:
-    from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
-    from mcp.server.transport_security import TransportSecuritySettings
-
-    from agent_backend.mcp import build_server
+def _mcp_app(
+    dispatcher: Dispatcher,
+    settings: DaemonSettings,
+    *,
+    sessions: SessionTable,
+    metrics: Metrics,
+    in_flight: InFlight,
+    state: DaemonState,
+) -> tuple[ASGIApp, McpSessions]:
+    """``/mcp`` (:mod:`agent_backend.daemon.mcp_http`) behind the same auth and limits as ``/v1``."""
+    from agent_backend.mcp import McpHandlers
     from agent_backend.tokens import is_loopback
 
-    security = None
-    if is_loopback(settings.host):  # DNS rebinding protection, as the mcp package does
-        security = TransportSecuritySettings(
-            enable_dns_rebinding_protection=True,
-            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
-            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
-        )
-    return StreamableHTTPSessionManager(
-        app=build_server(dispatcher),
-        stateless=True,
-        json_response=True,
-        security_settings=security,
-        max_request_body_size=settings.max_body_bytes,
+    def observe(tool: str, outcome: ToolResult | AgentBackendError, seconds: float) -> None:
+        if isinstance(outcome, ToolResult):
+            metrics.observe(outcome)
+        else:
+            metrics.observe_error(tool, outcome, seconds)
+
+    mcp_sessions = McpSessions(sessions)
+    endpoint = McpEndpoint(
+        McpHandlers(dispatcher, observe=observe),
+        mcp_sessions,
+        max_argument_bytes=settings.max_argument_bytes,
+        # DNS rebinding protection on loopback, as the mcp package does.
+        guard=loopback_guard if is_loopback(settings.host) else None,
     )
+    stack = JsonRpcRefusals(
+        BearerAuth(
+            BodyLimit(
+                ConcurrencyLimit(
+                    endpoint,
+                    limit=settings.max_concurrent_per_token,
+                    retry_after=settings.retry_after,
+                    draining=lambda: state.draining,
+                    in_flight=in_flight,
+                ),
+                max_bytes=settings.max_body_bytes,
+            ),
+            tokens=settings.tokens,
+        )
+    )
+    return stack, mcp_sessions
 
 
 def create_app(
@@ -380,19 +403,28 @@ def create_app(
     in_flight = InFlight()
     metrics = Metrics(dispatcher, extra=extra_gauges)
     routes = _Routes(dispatcher, settings, state, metrics, sessions)
-    mcp_manager = _mcp_app(dispatcher, settings) if settings.mcp else None
+    mcp = (
+        _mcp_app(
+            dispatcher,
+            settings,
+            sessions=sessions,
+            metrics=metrics,
+            in_flight=in_flight,
+            state=state,
+        )
+        if settings.mcp
+        else None
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
-            if mcp_manager is not None:
-                async with mcp_manager.run():
-                    yield
-            else:
-                yield
+            yield
         finally:
             state.draining = True
             await sessions.aclose()
+            if mcp is not None:
+                mcp[1].forget()
 
     app = FastAPI(
         title="agent-backend daemon",
@@ -480,12 +512,6 @@ def create_app(
         """Prometheus metrics (text exposition format)."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    if mcp_manager is not None:
-        from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
-
-        # An ASGI app (not a function) as endpoint: Starlette passes every method through.
-        app.router.routes.append(Route("/mcp", endpoint=StreamableHTTPASGIApp(mcp_manager)))
-
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
@@ -520,6 +546,8 @@ def create_app(
         ),
         tokens=settings.tokens,
     )
+    if mcp is not None:  # /mcp has its own stack, beside FastAPI's (mcp_http.py)
+        stack = mount(stack, mcp[0])
     return DaemonApp(
         api=app,
         stack=stack,

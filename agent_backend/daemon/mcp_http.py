@@ -1,0 +1,580 @@
+"""``/mcp``: MCP's streamable HTTP transport, answered in the daemon's ASGI fast path.
+
+Protocol versions 2024-11-05 to 2025-11-25 (the initialize-handshake era,
+the one with sessions), every answer ``application/json``:
+
+* ``POST`` carries one JSON-RPC message, or a batch at 2025-03-26 (the only
+  version that has them). Requests get their response (a batch: the array
+  of them), notifications and responses ``202``. ``initialize`` negotiates
+  the version (the client's if served, else the latest) and opens an MCP
+  session (``Mcp-Session-Id`` on the answer), which is one agent_backend
+  session (:mod:`agent_backend.daemon.mcp_sessions`). Later requests send
+  the id; one without is served in its token's stateless session. An
+  ``MCP-Protocol-Version`` header must name the negotiated version (400
+  otherwise); a 2026-07-28 request (``server/discover``) gets
+  ``-32022 UNSUPPORTED_PROTOCOL_VERSION`` naming the served versions, so
+  SDK clients fall back to the handshake.
+* ``GET`` is 405: this server sends nothing unasked, so it offers no SSE stream.
+* ``DELETE`` with the session id ends the session (workspace removed).
+
+A ``tools/call`` is ended, its processes killed, when the client sends
+``notifications/cancelled`` for it (the SDK clients do when their read
+timeout fires) or disconnects. The methods themselves are
+:class:`~agent_backend.mcp.McpHandlers`', the ones stdio runs.
+
+The daemon's refusals before this endpoint (bearer token, body size,
+per-token concurrency, shutdown) keep their status but answer, on
+``/mcp``, with a JSON-RPC error body whose message the MCP clients show
+(:class:`JsonRpcRefusals`); so do this endpoint's own (Host/Origin, an
+argument over ``max_argument_bytes``, an unknown session).
+This module must never run a call for a token that does not own its session.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final
+
+import anyio
+import mcp_types as types
+import orjson
+import pydantic
+from mcp_types.version import LATEST_MODERN_VERSION
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from agent_backend.daemon.auth import PRINCIPAL_KEY
+from agent_backend.daemon.errors import status_for
+from agent_backend.daemon.limits import BODY_KEY
+from agent_backend.daemon.mcp_sessions import McpSession, McpSessions
+from agent_backend.errors import AgentBackendError, RequestTooLarge, clip
+from agent_backend.mcp import SERVED_VERSIONS, JsonRpcError, McpHandlers
+from agent_backend.wire import error_to_wire
+
+__all__ = [
+    "MCP_PATH",
+    "REQUEST_CANCELLED",
+    "JsonRpcRefusals",
+    "McpEndpoint",
+    "loopback_guard",
+    "mount",
+]
+
+logger = logging.getLogger("agent_backend.daemon")
+
+MCP_PATH: Final = "/mcp"
+#: The error a request ended by ``notifications/cancelled`` is answered with (LSP's code;
+#: the client has stopped waiting for it by then).
+REQUEST_CANCELLED: Final = -32800
+#: The version of a request without a session and without ``MCP-Protocol-Version`` (the spec's).
+_DEFAULT_VERSION: Final = "2025-03-26"
+_BATCH_VERSIONS: Final = frozenset({"2025-03-26"})
+
+_JSON_HEADERS: Final = [(b"content-type", b"application/json")]
+_LOOPBACK_NAMES: Final = ("127.0.0.1", "localhost", "[::1]")
+
+
+class _Refusal(Exception):
+    """An HTTP-level answer: ``status`` with a JSON-RPC error body (no request id)."""
+
+    def __init__(
+        self,
+        status: int,
+        error: JsonRpcError,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        super().__init__(error.message)
+        self.status = status
+        self.error = error
+        self.headers = list(headers)
+
+    @classmethod
+    def of(cls, exc: AgentBackendError) -> _Refusal:
+        status = status_for(exc)
+        return cls(status, _refusal_error(status, str(exc), error_to_wire(exc).model_dump()))
+
+
+def _refusal_error(status: int, message: str, detail: Any = None) -> JsonRpcError:
+    code = types.INVALID_REQUEST if status < 500 else types.INTERNAL_ERROR
+    phrase = http.HTTPStatus(status).phrase if status in http.HTTPStatus._value2member_map_ else ""
+    data = {"status": status, **({"error": detail} if detail is not None else {})}
+    return JsonRpcError(code, f"{status} {phrase}: {message}", data)
+
+
+def _error_message(request_id: Any, error: JsonRpcError) -> dict[str, Any]:
+    return {"jsonrpc": "2.0", "id": request_id, "error": error.to_wire()}
+
+
+async def _send(
+    send: Send, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
+    all_headers = [*(_JSON_HEADERS if body else []), *headers]
+    all_headers.append((b"content-length", str(len(body)).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": all_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_refusal(send: Send, refusal: _Refusal) -> None:
+    body = orjson.dumps(_error_message(None, refusal.error))
+    await _send(send, refusal.status, body, refusal.headers)
+
+
+def _argument_size(arguments: Any) -> int:
+    try:
+        return len(orjson.dumps(arguments))
+    except TypeError:  # integers past 64 bits: the standard library writes them
+        return len(json.dumps(arguments))
+
+
+def _host_allowed(value: str, names: Sequence[str], prefixes: Sequence[str] = ("",)) -> bool:
+    for prefix in prefixes:
+        for name in names:
+            base = prefix + name
+            if value == base or (value.startswith(base + ":") and value[len(base) + 1 :].isdigit()):
+                return True
+    return False
+
+
+def loopback_guard(scope: Scope) -> _Refusal | None:
+    """DNS rebinding protection for a daemon on loopback: Host and Origin must be loopback."""
+    host = origin = None
+    for name, value in scope["headers"]:
+        if name == b"host":
+            host = value.decode("latin-1")
+        elif name == b"origin":
+            origin = value.decode("latin-1")
+    if host is not None and not _host_allowed(host, _LOOPBACK_NAMES):
+        return _Refusal(
+            421,
+            _refusal_error(
+                421,
+                f"Host {clip(host, 100)!r} is not this daemon's: it listens on loopback and "
+                "answers only Host 127.0.0.1, localhost or [::1] (DNS rebinding protection)",
+            ),
+        )
+    if origin and not _host_allowed(origin, _LOOPBACK_NAMES, ("http://", "https://")):
+        return _Refusal(
+            403,
+            _refusal_error(
+                403,
+                f"Origin {clip(origin, 100)!r} may not call this daemon: it listens on loopback "
+                "and accepts only loopback origins (DNS rebinding protection)",
+            ),
+        )
+    return None
+
+
+class McpEndpoint:
+    """The ASGI app of ``/mcp`` (behind the daemon's auth and limits; see the module docstring)."""
+
+    def __init__(
+        self,
+        handlers: McpHandlers,
+        sessions: McpSessions,
+        *,
+        max_argument_bytes: int,
+        guard: Callable[[Scope], _Refusal | None] | None = None,
+    ) -> None:
+        self.handlers = handlers
+        self.sessions = sessions
+        self.max_argument_bytes = max_argument_bytes
+        self.guard = guard
+
+    def __repr__(self) -> str:
+        return f"<McpEndpoint {self.sessions!r}>"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            if self.guard is not None and (refusal := self.guard(scope)) is not None:
+                raise refusal
+            method = scope["method"]
+            if method == "POST":
+                await self._post(scope, receive, send)
+            elif method == "DELETE":
+                await self._delete(scope, send)
+            else:
+                allow = [(b"allow", b"POST, DELETE")]
+                message = (
+                    "this server sends no messages unasked, so it offers no SSE stream; "
+                    "POST requests to it"
+                    if method == "GET"
+                    else f"{clip(method, 20)} is not allowed on /mcp (POST, DELETE)"
+                )
+                raise _Refusal(405, _refusal_error(405, message), allow)
+        except _Refusal as refusal:
+            await _send_refusal(send, refusal)
+
+    # -- DELETE -----------------------------------------------------------------------------------
+
+    async def _delete(self, scope: Scope, send: Send) -> None:
+        session_id = _header(scope, b"mcp-session-id")
+        if session_id is None:
+            raise _Refusal(400, _refusal_error(400, "DELETE needs the Mcp-Session-Id to end"))
+        try:
+            await self.sessions.close(str(scope.get(PRINCIPAL_KEY, "")), session_id)
+        except AgentBackendError as exc:
+            raise _Refusal.of(exc) from None
+        await _send(send, 204, b"")
+
+    # -- POST -------------------------------------------------------------------------------------
+
+    async def _post(self, scope: Scope, receive: Receive, send: Send) -> None:
+        content_type = accept = session_id = version_header = None
+        for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_type = value
+            elif name == b"accept":
+                accept = value
+            elif name == b"mcp-session-id":
+                session_id = value.decode("latin-1")
+            elif name == b"mcp-protocol-version":
+                version_header = value.decode("latin-1")
+        if content_type is None or not content_type.lower().startswith(b"application/json"):
+            raise _Refusal(415, _refusal_error(415, "POST a JSON-RPC message as application/json"))
+        if accept is not None and not _accepts_json(accept):
+            raise _Refusal(
+                406,
+                _refusal_error(406, "this server answers in application/json; accept it"),
+            )
+        try:
+            decoded = orjson.loads(scope.get(BODY_KEY, b""))
+        except orjson.JSONDecodeError as exc:
+            error = JsonRpcError(types.PARSE_ERROR, f"Parse error: the body is not JSON ({exc})")
+            raise _Refusal(400, error) from None
+
+        principal = str(scope.get(PRINCIPAL_KEY, ""))
+        if _is_initialize(decoded):
+            await self._initialize(decoded, principal, send)
+            return
+
+        mcp: McpSession | None = None
+        if session_id is not None:
+            try:
+                mcp = self.sessions.get(principal, session_id)
+            except AgentBackendError as exc:
+                raise _Refusal.of(exc) from None
+            version = mcp.version
+            if version_header is not None and version_header != version:
+                raise _Refusal(
+                    400,
+                    _refusal_error(
+                        400,
+                        f"MCP-Protocol-Version {clip(version_header, 40)!r} is not the version "
+                        f"this session negotiated ({version!r})",
+                    ),
+                )
+        else:
+            version = version_header or _DEFAULT_VERSION
+            if version not in SERVED_VERSIONS:
+                raise _Refusal(400, _unsupported(version))
+
+        if isinstance(decoded, list):
+            if version not in _BATCH_VERSIONS:
+                raise _Refusal(
+                    400,
+                    JsonRpcError(
+                        types.INVALID_REQUEST,
+                        f"JSON-RPC batches are not part of protocol {version} (only 2025-03-26 "
+                        "has them); POST one message at a time",
+                    ),
+                )
+            if not decoded:
+                raise _Refusal(400, JsonRpcError(types.INVALID_REQUEST, "an empty batch"))
+            messages = decoded
+        else:
+            messages = [decoded]
+
+        exchange = _Exchange(self, principal, version, mcp)
+        self._check_arguments(scope, messages)
+        replies = await exchange.run(messages, receive)
+        if exchange.disconnected:
+            return  # nobody to answer
+        if not replies:
+            await _send(send, 202, b"")
+            return
+        body = orjson.dumps(replies if isinstance(decoded, list) else replies[0])
+        await _send(send, 200, body)
+
+    def _check_arguments(self, scope: Scope, messages: list[Any]) -> None:
+        limit = self.max_argument_bytes
+        if len(scope.get(BODY_KEY, b"")) <= limit:
+            return  # every call's arguments are smaller than the whole body
+        for message in messages:
+            if not isinstance(message, dict) or message.get("method") != "tools/call":
+                continue
+            params = message.get("params")
+            arguments = params.get("arguments") if isinstance(params, dict) else None
+            if arguments is not None and _argument_size(arguments) > limit:
+                name = params.get("name") if isinstance(params, dict) else None
+                raise _Refusal.of(
+                    RequestTooLarge(
+                        f"the arguments of tools/call {clip(str(name), 80)!r} are larger than "
+                        f"{limit} bytes; send less at once",
+                        limit=limit,
+                        what="arguments",
+                    )
+                )
+
+    async def _initialize(self, decoded: dict[str, Any], principal: str, send: Send) -> None:
+        try:
+            request = types.JSONRPCRequest.model_validate(decoded)
+        except pydantic.ValidationError:
+            raise _Refusal(400, _invalid_envelope()) from None
+        try:
+            version, result = self.handlers.initialize(request.params)
+        except JsonRpcError as error:
+            await _send(send, 200, orjson.dumps(_error_message(request.id, error)))
+            return
+        try:
+            mcp = await self.sessions.create(principal, version)
+        except AgentBackendError as exc:
+            raise _Refusal.of(exc) from None
+        logger.info("MCP session opened: %r", mcp)
+        body = orjson.dumps({"jsonrpc": "2.0", "id": request.id, "result": result})
+        await _send(send, 200, body, [(b"mcp-session-id", mcp.id.encode())])
+
+
+class _Exchange:
+    """The messages of one POST: requests answered, notifications applied, in one task group."""
+
+    def __init__(
+        self, endpoint: McpEndpoint, principal: str, version: str, mcp: McpSession | None
+    ) -> None:
+        self.endpoint = endpoint
+        self.principal = principal
+        self.version = version
+        self.mcp = mcp
+        self.disconnected = False
+
+    async def run(self, messages: list[Any], receive: Receive) -> list[dict[str, Any]]:
+        replies: list[dict[str, Any] | None] = [None] * len(messages)
+        jobs: list[tuple[int, types.JSONRPCRequest]] = []
+        for index, message in enumerate(messages):
+            kind = _kind(message)
+            if kind == "request":
+                try:
+                    jobs.append((index, types.JSONRPCRequest.model_validate(message)))
+                except pydantic.ValidationError:
+                    replies[index] = _error_message(_id_of(message), _invalid_envelope())
+            elif kind == "notification":
+                self._notify(message)
+            elif kind == "invalid":
+                replies[index] = _error_message(_id_of(message), _invalid_envelope())
+            # a response to a request of ours: we send none, so there is nothing to match
+
+        slow = any(request.method == "tools/call" for _, request in jobs)
+        if len(jobs) == 1 and not slow:
+            index, request = jobs[0]
+            replies[index] = await self._answer(request)
+        elif jobs:
+            with anyio.CancelScope() as work:
+                async with anyio.create_task_group() as group:
+                    if slow:
+                        group.start_soon(_watch_disconnect, receive, work)
+
+                    async def answer(index: int, request: types.JSONRPCRequest) -> None:
+                        replies[index] = await self._answer(request)
+
+                    async with anyio.create_task_group() as calls:
+                        for index, request in jobs:
+                            calls.start_soon(answer, index, request)
+                    group.cancel_scope.cancel()  # the watcher
+            if work.cancelled_caught:
+                self.disconnected = True
+                logger.info("MCP client disconnected; its call was ended")
+        return [reply for reply in replies if reply is not None]
+
+    def _notify(self, message: dict[str, Any]) -> None:
+        if message.get("method") != "notifications/cancelled":
+            return  # initialized, progress, roots changed...: nothing to do
+        try:
+            params = types.CancelledNotificationParams.model_validate(message.get("params") or {})
+        except pydantic.ValidationError:
+            return
+        if params.request_id is None:
+            return
+        mcp = self.mcp or self.endpoint.sessions.stateless_of(self.principal)
+        if mcp is not None and mcp.cancel(params.request_id):
+            logger.info("MCP request %r cancelled by the client", params.request_id)
+
+    async def _answer(self, request: types.JSONRPCRequest) -> dict[str, Any]:
+        handlers = self.endpoint.handlers
+        if request.method == "server/discover":
+            return _error_message(request.id, _unsupported(LATEST_MODERN_VERSION))
+        try:
+            if request.method != "tools/call":
+                result = await handlers.handle(
+                    request.method, request.params, version=self.version, session=None
+                )
+                return {"jsonrpc": "2.0", "id": request.id, "result": result}
+            mcp = self.mcp
+            if mcp is None:
+                try:
+                    mcp = await self.endpoint.sessions.stateless(self.principal, self.version)
+                except AgentBackendError as exc:
+                    return _error_message(request.id, _Refusal.of(exc).error)
+            with anyio.CancelScope() as scope:
+                mcp.calls[request.id] = scope
+                try:
+                    result = await handlers.handle(
+                        request.method,
+                        request.params,
+                        version=self.version,
+                        session=mcp.session,
+                        call_id=f"mcp-{request.id}",
+                    )
+                    return {"jsonrpc": "2.0", "id": request.id, "result": result}
+                finally:
+                    if mcp.calls.get(request.id) is scope:
+                        del mcp.calls[request.id]
+            return _error_message(
+                request.id, JsonRpcError(REQUEST_CANCELLED, "the request was cancelled")
+            )
+        except JsonRpcError as error:
+            return _error_message(request.id, error)
+        except Exception:
+            logger.exception("MCP %s failed", request.method)
+            bug = JsonRpcError(types.INTERNAL_ERROR, "internal error in the daemon; see its log")
+            return _error_message(request.id, bug)
+
+
+async def _watch_disconnect(receive: Receive, work: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass  # the replayed body
+    work.cancel()
+
+
+def _header(scope: Scope, wanted: bytes) -> str | None:
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def _accepts_json(accept: bytes) -> bool:
+    accept = accept.lower()
+    return b"application/json" in accept or b"*/*" in accept or b"application/*" in accept
+
+
+def _kind(message: Any) -> str:
+    if not isinstance(message, dict):
+        return "invalid"
+    if "method" in message:
+        return "request" if "id" in message else "notification"
+    if "id" in message and ("result" in message or "error" in message):
+        return "response"
+    return "invalid"
+
+
+def _is_initialize(decoded: Any) -> bool:
+    return isinstance(decoded, dict) and decoded.get("method") == "initialize" and "id" in decoded
+
+
+def _id_of(message: Any) -> Any:
+    if isinstance(message, dict):
+        value = message.get("id")
+        if isinstance(value, (int, str)) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _invalid_envelope() -> JsonRpcError:
+    return JsonRpcError(
+        types.INVALID_REQUEST,
+        'Invalid Request: expected {"jsonrpc": "2.0", "id": ..., "method": "...", "params": {...}}',
+    )
+
+
+def _unsupported(requested: str) -> JsonRpcError:
+    return JsonRpcError(
+        types.UNSUPPORTED_PROTOCOL_VERSION,
+        f"protocol version {clip(requested, 40)!r} is not served here; this server speaks "
+        f"{', '.join(SERVED_VERSIONS)} (initialize to start a session)",
+        {"supported": list(SERVED_VERSIONS), "requested": requested},
+    )
+
+
+# -- the daemon's refusals, as MCP clients read them --------------------------------------------
+
+
+def _www_authenticate(scope: Scope) -> bytes:
+    presented = any(name == b"authorization" for name, _ in scope["headers"])
+    # No resource_metadata and no scope: nothing to send a client into OAuth discovery.
+    value = 'Bearer realm="agent-backend"'
+    if presented:
+        value += ', error="invalid_token", error_description="not this daemon\'s token"'
+    return value.encode()
+
+
+class JsonRpcRefusals:
+    """ASGI middleware for ``/mcp``: the daemon's error bodies rewritten as JSON-RPC errors.
+
+    The daemon's middlewares (auth, body limit, concurrency) answer with an
+    :class:`~agent_backend.wire.ErrorBody`; MCP clients read only a
+    JSON-RPC error, and show its message. The status stays; a 401 says how
+    to pass the static token, and its ``WWW-Authenticate`` names no OAuth
+    metadata.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        held: Message | None = None
+
+        async def rewrite(message: Message) -> None:
+            nonlocal held
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                held = message
+                return
+            if held is not None and message["type"] == "http.response.body":
+                start, held = held, None
+                await self._send_rewritten(scope, start, message, send)
+                return
+            await send(message)
+
+        await self.app(scope, receive, rewrite)
+
+    async def _send_rewritten(
+        self, scope: Scope, start: Message, message: Message, send: Send
+    ) -> None:
+        status: int = start["status"]
+        body: bytes = message.get("body", b"")
+        detail = None
+        with contextlib.suppress(ValueError):
+            decoded = orjson.loads(body)
+            if isinstance(decoded, dict) and "jsonrpc" not in decoded:
+                detail = decoded.get("error")
+        if detail is None or message.get("more_body", False):  # already JSON-RPC, or streamed
+            await send(start)
+            await send(message)
+            return
+        text = str(detail.get("message", "")) if isinstance(detail, dict) else ""
+        headers = [
+            (name, value)
+            for name, value in start.get("headers", [])
+            if name not in (b"content-length", b"content-type", b"www-authenticate")
+        ]
+        if status == 401:
+            text += (
+                "; send 'Authorization: Bearer <token>' with the daemon's static token "
+                "(`agent-backend serve` prints where it is); this server does not use OAuth"
+            )
+            headers.append((b"www-authenticate", _www_authenticate(scope)))
+        refusal = _Refusal(status, _refusal_error(status, text, detail), headers)
+        await _send_refusal(send, refusal)
+
+
+def mount(app: ASGIApp, mcp_stack: ASGIApp) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """``app`` with ``/mcp`` answered by ``mcp_stack`` instead."""
+
+    async def route(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == MCP_PATH:
+            await mcp_stack(scope, receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return route

@@ -1,0 +1,285 @@
+"""Cancellation over MCP ends the command: its process group is killed, its marker never written.
+
+Each test runs ``exec`` with a command that writes its pid, then would write
+a marker file after a delay. Once the pid is there, the client gives up in
+one of the ways MCP has (its read timeout, its caller cancelled, an explicit
+``notifications/cancelled``, a dropped connection); the test then waits,
+bounded, for every process of the command's group to be gone, and checks
+that the marker was never written. On stdio and on the daemon's ``/mcp``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import mcp
+import pytest
+from daemon_fixtures import ROOT, Daemon, daemon_fixture  # noqa: F401
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from proc_helpers import pid_alive
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+_MCP_HEADERS = {"Accept": "application/json, text/event-stream"}
+
+
+class Marked:
+    """A command that writes its pid, then (if never killed) a marker after ``delay`` seconds."""
+
+    def __init__(self, where: Path, delay: float = 4.0) -> None:
+        self.pid_file = where / "pid"
+        self.marker = where / "marker"
+        self.command = f"echo $$ > {self.pid_file}; sleep {delay}; touch {self.marker}"
+
+    async def wait_started(self, within: float = 15.0) -> int:
+        await _until(
+            lambda: self.pid_file.exists() and bool(self.pid_file.read_text().strip()), within
+        )
+        return int(self.pid_file.read_text())
+
+    async def assert_ended(self, pgid: int, within: float = 10.0) -> None:
+        await _until(lambda: not _group_alive(pgid), within)
+        assert not self.marker.exists(), "the command ran on after the client gave up"
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` still runs (zombies do not count)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+async def _until(predicate: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait, bounded, for a state outside this process (a file, /proc): no event to await."""
+    with anyio.fail_after(within):
+        while not predicate():  # noqa: ASYNC110
+            await anyio.sleep(0.02)
+
+
+def _stdio_client() -> mcp.Client:
+    server = mcp.StdioServerParameters(
+        command=sys.executable, args=["-m", "agent_backend.cli", "mcp"], cwd=str(ROOT)
+    )
+    return mcp.Client(server)
+
+
+def _http_client(daemon: Daemon) -> Callable[[], Any]:
+    import contextlib
+
+    @contextlib.asynccontextmanager
+    async def open_client() -> AsyncIterator[mcp.Client]:
+        async with httpx2.AsyncClient(headers=daemon.headers(), timeout=30) as http:
+            transport = streamable_http_client(f"{daemon.url}/mcp", http_client=http)
+            async with mcp.Client(transport) as client:
+                yield client
+
+    return open_client
+
+
+async def _read_timeout(client: mcp.Client, tmp_path: Path) -> None:
+    marked = Marked(tmp_path)
+    pid: list[int] = []
+
+    async def watch() -> None:
+        pid.append(await marked.wait_started())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        with pytest.raises(MCPError, match=r"[Tt]imed out|timeout"):
+            await client.call_tool("exec", {"command": marked.command}, read_timeout_seconds=2.0)
+    await marked.assert_ended(pid[0])
+    # The connection is still good for the next call.
+    assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
+
+
+async def _caller_cancelled(client: mcp.Client, tmp_path: Path) -> None:
+    marked = Marked(tmp_path)
+    async with anyio.create_task_group() as group:
+        group.start_soon(client.call_tool, "exec", {"command": marked.command})
+        pid = await marked.wait_started()
+        group.cancel_scope.cancel()  # the SDK sends notifications/cancelled
+    await marked.assert_ended(pid)
+    assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
+
+
+async def test_stdio_read_timeout_kills_the_command(tmp_path: Path) -> None:
+    async with _stdio_client() as client:
+        await _read_timeout(client, tmp_path)
+
+
+async def test_stdio_cancelled_caller_kills_the_command(tmp_path: Path) -> None:
+    async with _stdio_client() as client:
+        await _caller_cancelled(client, tmp_path)
+
+
+async def test_stdio_client_gone_kills_the_command(tmp_path: Path) -> None:
+    marked = Marked(tmp_path)
+    async with anyio.create_task_group() as group:
+
+        async def call() -> None:
+            async with _stdio_client() as client:
+                await client.call_tool("exec", {"command": marked.command})
+
+        group.start_soon(call)
+        pid = await marked.wait_started()
+        group.cancel_scope.cancel()  # the client closes the server's stdin and goes
+    await marked.assert_ended(pid)
+
+
+async def test_http_read_timeout_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+    async with _http_client(daemon)() as client:
+        await _read_timeout(client, tmp_path)
+
+
+async def test_http_cancelled_caller_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+    async with _http_client(daemon)() as client:
+        await _caller_cancelled(client, tmp_path)
+
+
+async def _initialize(http: httpx.AsyncClient) -> dict[str, str]:
+    response = await http.post(
+        "/mcp",
+        json={
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "test", "version": "1"},
+            },
+        },
+        headers=_MCP_HEADERS,
+    )
+    assert response.status_code == 200, response.text
+    return {
+        **_MCP_HEADERS,
+        "Mcp-Session-Id": response.headers["mcp-session-id"],
+        "MCP-Protocol-Version": "2025-06-18",
+    }
+
+
+def _call(request_id: int, command: str) -> dict[str, Any]:
+    return {
+        "jsonrpc": "2.0",
+        "id": request_id,
+        "method": "tools/call",
+        "params": {"name": "exec", "arguments": {"command": command}},
+    }
+
+
+async def test_http_notifications_cancelled_kills_the_command(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    marked = Marked(tmp_path)
+    answers: list[httpx.Response] = []
+    async with daemon.async_http(timeout=30) as http:
+        headers = await _initialize(http)
+
+        async def call() -> None:
+            answers.append(await http.post("/mcp", json=_call(7, marked.command), headers=headers))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            pid = await marked.wait_started()
+            cancel = {
+                "jsonrpc": "2.0",
+                "method": "notifications/cancelled",
+                "params": {"requestId": 7, "reason": "the user stopped it"},
+            }
+            response = await http.post("/mcp", json=cancel, headers=headers)
+            assert response.status_code == 202
+        await marked.assert_ended(pid)
+    answer = answers[0].json()
+    assert answer["id"] == 7
+    assert answer["error"]["message"] == "the request was cancelled"
+
+
+async def test_http_stateless_notifications_cancelled(daemon: Daemon, tmp_path: Path) -> None:
+    # Without a session id, requests and cancellations meet in the token's stateless session.
+    marked = Marked(tmp_path)
+    async with daemon.async_http(timeout=30) as http:
+
+        async def call() -> None:
+            await http.post("/mcp", json=_call("c-1", marked.command), headers=_MCP_HEADERS)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            pid = await marked.wait_started()
+            cancel = {
+                "jsonrpc": "2.0",
+                "method": "notifications/cancelled",
+                "params": {"requestId": "c-1"},
+            }
+            assert (await http.post("/mcp", json=cancel, headers=_MCP_HEADERS)).status_code == 202
+        await marked.assert_ended(pid)
+
+
+async def _disconnect_during(daemon: Daemon, marked: Marked, headers: dict[str, str]) -> int:
+    async with anyio.create_task_group() as group:
+
+        async def call() -> None:
+            async with daemon.async_http(timeout=30) as doomed:
+                await doomed.post("/mcp", json=_call(1, marked.command), headers=headers)
+
+        group.start_soon(call)
+        pid = await marked.wait_started()
+        group.cancel_scope.cancel()  # the connection is closed mid-request
+    return pid
+
+
+async def test_http_disconnect_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+    marked = Marked(tmp_path)
+    async with daemon.async_http(timeout=30) as http:
+        headers = await _initialize(http)
+        pid = await _disconnect_during(daemon, marked, headers)
+        await marked.assert_ended(pid)
+        # The session lives on: a later call on it runs.
+        after = await http.post("/mcp", json=_call(2, "echo after"), headers=headers)
+        assert after.json()["result"]["content"][0]["text"] == "after\n"
+
+
+async def test_http_client_timeout_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+    # An HTTP client's own timeout is a disconnect too.
+    marked = Marked(tmp_path)
+    async with daemon.async_http(timeout=30) as http:
+        headers = await _initialize(http)
+    started: list[int] = []
+
+    async def watch() -> None:
+        started.append(await marked.wait_started())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        async with daemon.async_http(timeout=httpx.Timeout(30, read=2.0)) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                await impatient.post("/mcp", json=_call(1, marked.command), headers=headers)
+    await marked.assert_ended(started[0])
+
+
+async def test_the_pid_helpers_see_a_live_process(tmp_path: Path) -> None:
+    # The checks above would pass vacuously if _group_alive never saw anything.
+    process = await anyio.open_process(["sleep", "30"], start_new_session=True)
+    try:
+        await _until(lambda: _group_alive(process.pid))
+        assert pid_alive(process.pid)
+    finally:
+        process.kill()
+        await process.wait()
+    assert not _group_alive(process.pid)

@@ -6,14 +6,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx2
 import mcp
+import mcp_types as types
 import pytest
 from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 from mcp.client.streamable_http import streamable_http_client
 
 from agent_backend.dispatch import ToolResult
-from agent_backend.mcp import RESULT_META_KEY, call_result
+from agent_backend.errors import PoolClosed
+from agent_backend.mcp import RESULT_META_KEY, call_result, error_wire, result_wire
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,14 +54,46 @@ async def _exercise(client: mcp.Client, expected_tools: set[str]) -> None:
     assert "Unknown tool" in _text(unknown)
 
 
-async def test_stdio() -> None:
-    server = mcp.StdioServerParameters(
+async def _file_tools(client: mcp.Client) -> str:
+    """The file tools work in the connection's workspace; returns its path."""
+    written = await client.call_tool("write_file", {"path": "sub/notes.txt", "content": "kept"})
+    assert not written.is_error, _text(written)
+    assert _text(await client.call_tool("read_file", {"path": "sub/notes.txt"})) == "kept"
+    assert "notes.txt" in _text(await client.call_tool("list_dir", {"path": "sub"}))
+    outside = await client.call_tool("read_file", {"path": "/etc/passwd"})
+    assert outside.is_error
+    workspace = _text(await client.call_tool("exec", {"command": "pwd"})).strip()
+    assert _text(await client.call_tool("exec", {"command": "cat sub/notes.txt"})) == "kept"
+    return workspace
+
+
+def _stdio_server() -> mcp.StdioServerParameters:
+    return mcp.StdioServerParameters(
         command=sys.executable,
         args=["-m", "agent_backend.cli", "mcp", "--tools-dir", str(ROOT / "schemas" / "tools")],
         cwd=str(ROOT),
     )
-    async with mcp.Client(server) as client:
+
+
+async def test_stdio() -> None:
+    async with mcp.Client(_stdio_server()) as client:
         await _exercise(client, {"exec", "read_file", "write_file", "list_dir"})
+
+
+async def test_stdio_is_one_session_with_a_workspace() -> None:
+    async with mcp.Client(_stdio_server()) as one, mcp.Client(_stdio_server()) as two:
+        workspace = await _file_tools(one)
+        other = await two.call_tool("read_file", {"path": "sub/notes.txt"})
+        assert other.is_error  # each server process has its own workspace
+    # The client closed stdin: the server removed the workspace on its way out.
+    assert not await anyio.Path(workspace).exists()
+
+
+async def test_streamable_http_file_tools(daemon: Daemon) -> None:
+    async with httpx2.AsyncClient(headers=daemon.headers(), timeout=30) as http:
+        transport = streamable_http_client(f"{daemon.url}/mcp", http_client=http)
+        async with mcp.Client(transport) as client:
+            await _file_tools(client)
 
 
 async def test_streamable_http_on_the_daemon(daemon: Daemon) -> None:
@@ -85,7 +120,42 @@ def test_results_map_to_mcp_results() -> None:
     assert not ok.is_error
     assert ok.content[0].text == "(no output)"
     failed = call_result(
-        ToolResult.failure(call_id="c", tool="t", error="it broke", error_type="ToolError")
+        ToolResult.failure(
+            call_id="c",
+            tool="t",
+            error="it broke",
+            error_type="NonZeroExit",
+            output="partial\n",
+            exit_status=3,
+        )
     )
     assert failed.is_error
-    assert failed.content[0].text == "Error: it broke"
+    # The model reads the text: why, then what it printed. No structured copy to prefer over it.
+    assert failed.content[0].text == "Error: it broke\npartial\n"
+    assert failed.structured_content is None
+    assert failed.meta is not None
+    facts = failed.meta[RESULT_META_KEY]
+    assert facts["ok"] is False
+    assert facts["exit_status"] == 3
+    assert facts["error_type"] == "NonZeroExit"
+
+
+def test_wire_results_are_valid_mcp_results() -> None:
+    result = ToolResult(call_id="c", tool="t", ok=True, output="hi", duration=0.5, host="local")
+    wire = result_wire(result)
+    assert types.CallToolResult.model_validate(wire) == call_result(result)
+    assert set(wire) == {"content", "isError", "_meta"}
+    error = error_wire(PoolClosed("the session was closed"))
+    parsed = types.CallToolResult.model_validate(error)
+    assert parsed.is_error
+    assert parsed.content[0].text == "Error: PoolClosed: the session was closed"
+
+
+async def test_a_tool_list_every_client_takes(daemon: Daemon) -> None:
+    async with httpx2.AsyncClient(headers=daemon.headers(), timeout=30) as http:
+        transport = streamable_http_client(f"{daemon.url}/mcp", http_client=http)
+        async with mcp.Client(transport) as client:
+            tools = (await client.list_tools()).tools
+    for tool in tools:
+        assert tool.output_schema is None  # nothing for clients to validate results against
+        assert tool.input_schema["type"] == "object"

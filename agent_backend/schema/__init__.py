@@ -8,6 +8,7 @@ from agent_backend.schema.dialect import Dialect, detect_dialect
 from agent_backend.schema.parse import Limits, parse_arguments
 from agent_backend.schema.prepare import CompiledSchema, compile_schema, prepare_arguments
 from agent_backend.schema.refs import ExternalRef, Resolution, resolve_local_refs, resolve_schema
+from agent_backend.schema.strict import strict_schema
 
 __all__ = [
     "CompiledSchema",
@@ -21,4 +22,5 @@ __all__ = [
     "prepare_arguments",
     "resolve_local_refs",
     "resolve_schema",
+    "strict_schema",
 ]

@@ -7,7 +7,11 @@ Pure: no I/O. The rules (docs/tool-calls.md has an example of each):
 * ``"true"``/``"false"`` become booleans, ``"null"`` becomes null;
 * a JSON-encoded string becomes the object or array the schema wants;
 * a lone value becomes a one-element array where an array is wanted;
-* ``enum``/``const`` members are matched after the same conversions.
+* ``enum``/``const`` members are matched after the same conversions;
+* null for an optional property whose schema refuses null leaves the property
+  out, and a list of ``{"name", "value"}`` pairs becomes the object where a map
+  is wanted: what a call written against the strict variant of a schema sends
+  (``strict.py``).
 
 What already validates is kept as it is (PITFALLS 4): a container that a
 subschema accepts is not entered, a scalar whose type the schema allows is
@@ -42,6 +46,7 @@ from agent_backend.schema.coerce_nodes import (
     Step,
     container_fix,
     keep,
+    null_left_out,
     object_descend,
     object_fix,
     properties_descend,
@@ -55,6 +60,8 @@ from agent_backend.schema.coerce_rules import (
     TEXT_RULES,
     TYPE_ONLY_KEYS,
     compile_patterns,
+    from_pairs,
+    is_map,
     json_equal,
     type_allowed,
     type_plan,
@@ -167,6 +174,8 @@ class Coercer:
             convert = self._members_step(members)
         else:
             convert = self._types_step(types) if types is not None else None
+            if is_map(node):
+                convert = _pairs_step(convert)
         unions = tuple(
             step
             for step in (self._union_step(node.get("anyOf")), self._union_step(node.get("oneOf")))
@@ -392,8 +401,12 @@ class Coercer:
             return None, None
         properties = node.get("properties")
         properties = properties if isinstance(properties, dict) else {}
+        required = node.get("required")
+        required = frozenset(required) if isinstance(required, list) else frozenset()
         fixes = {
-            key: self._fix_of(schema) for key, schema in properties.items() if schema is not None
+            key: self._property_fix(schema, optional=key not in required)
+            for key, schema in properties.items()
+            if schema is not None
         }
         active = {key: fix for key, fix in fixes.items() if fix is not keep}
         patterns = node.get("patternProperties")
@@ -417,6 +430,14 @@ class Coercer:
         if not by_pattern and extra is keep and not defaults:
             return (properties_descend(active, self._check), active) if active else (None, None)
         return object_descend(fixes, by_pattern, extra, defaults, self._check), None
+
+    def _property_fix(self, schema: Any, *, optional: bool) -> Fix:
+        """A property's function; null for an optional one whose schema refuses null leaves
+        it out (what strict clients send for a property they do not mean to give)."""
+        fix = self._fix_of(schema)
+        if optional and not self._acceptor(schema)(None):
+            return null_left_out(fix)
+        return fix
 
     def _array_step(self, node: dict[str, Any]) -> Step | None:
         if "items" not in node and "prefixItems" not in node:
@@ -503,6 +524,19 @@ def _scan(value: Any, depth: int, max_depth: int) -> str | None:
             elif kind is float and abs(child) >= BIG_FLOAT:
                 return _BIG_FLOAT
     return None
+
+
+def _pairs_step(convert: Step | None) -> Step:
+    """A map's own step: a list of ``{"name", "value"}`` pairs becomes the object it spells."""
+
+    def from_pairs_or_convert(value: Any, depth: int) -> Any:
+        if type(value) is list:
+            mapping = from_pairs(value)
+            if mapping is not FAIL:
+                return mapping
+        return value if convert is None else convert(value, depth)
+
+    return from_pairs_or_convert
 
 
 def _always(value: Any) -> bool:

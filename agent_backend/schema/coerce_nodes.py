@@ -22,12 +22,14 @@ from agent_backend.schema.coerce_rules import (
 )
 
 __all__ = [
+    "LEAVE_OUT",
     "Accepts",
     "Fix",
     "IsValid",
     "Step",
     "container_fix",
     "keep",
+    "null_left_out",
     "object_descend",
     "object_fix",
     "properties_descend",
@@ -48,9 +50,26 @@ Parse = Callable[[str, str, type, int], Any]
 """``parse(text, opener, wanted, depth)``: JSON text as a ``wanted`` container, or ``FAIL``."""
 
 
+LEAVE_OUT: Final = object()
+"""What a property's function returns when the property is to be left out of its object."""
+
+
 def keep(value: Any, depth: int, check: bool) -> Any:
     """The compiled form of a node that repairs nothing; parents leave such children out."""
     return value
+
+
+def null_left_out(fix: Fix) -> Fix:
+    """An optional property whose schema refuses null: null means the property is absent.
+
+    Strict clients must send every property, so they send null for the ones they mean to
+    leave out (strict.py); the object is repaired by leaving the property out.
+    """
+
+    def fix_or_leave_out(value: Any, depth: int, check: bool) -> Any:
+        return LEAVE_OUT if value is None else fix(value, depth, check)
+
+    return fix_or_leave_out
 
 
 def type_fix(types: frozenset[str], convert: Step) -> Fix:
@@ -170,7 +189,10 @@ def object_fix(
                 if new is not child:
                     if result is value:
                         result = dict(value)
-                    result[key] = new
+                    if new is LEAVE_OUT:
+                        del result[key]
+                    else:
+                        result[key] = new
         return result
 
     return fix
@@ -189,7 +211,10 @@ def properties_descend(fixes: dict[str, Fix], check: bool) -> Step:
                 if new is not child:
                     if result is value:
                         result = dict(value)
-                    result[key] = new
+                    if new is LEAVE_OUT:
+                        del result[key]
+                    else:
+                        result[key] = new
         return result
 
     return descend
@@ -212,6 +237,11 @@ def object_descend(
             fix = fixes.get(key)
             matched = fix is not None
             new = child if fix is None else fix(child, depth, check)
+            if new is LEAVE_OUT:
+                if result is value:
+                    result = dict(value)
+                del result[key]
+                continue
             for pattern, pattern_fix in by_pattern:
                 if pattern.search(key):
                     new = pattern_fix(new, depth, check)

@@ -21,11 +21,14 @@ __all__ = [
     "CONVERSION_ORDER",
     "FAIL",
     "MAX_NUMBER_TEXT",
+    "PAIR_KEYS",
     "PYTHON_TYPES",
     "TEXT_RULES",
     "TYPE_ONLY_KEYS",
     "TypePlan",
     "compile_patterns",
+    "from_pairs",
+    "is_map",
     "json_equal",
     "to_boolean",
     "to_integer",
@@ -175,3 +178,40 @@ def json_equal(a: Any, b: Any) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
+
+
+#: The keys of one entry of a map written as a list of pairs (the strict variant's form, strict.py).
+PAIR_KEYS: Final = frozenset(("name", "value"))
+
+
+def is_map(node: Any) -> bool:
+    """Whether ``node`` is a map: an object with free keys whose values one schema describes.
+
+    That is ``type`` naming object, no ``properties`` or ``patternProperties``, and an
+    ``additionalProperties`` schema. Strict clients cannot send such an object; the strict
+    variant writes it as a list of ``{"name", "value"}`` pairs (:func:`from_pairs` reads them).
+    """
+    if not isinstance(node, dict) or not isinstance(node.get("additionalProperties"), dict):
+        return False
+    declared = node.get("type")
+    types = declared if isinstance(declared, list) else (declared,)
+    return "object" in types and not node.get("properties") and not node.get("patternProperties")
+
+
+def from_pairs(value: Any) -> Any:
+    """The object a list of ``{"name": ..., "value": ...}`` pairs spells, or :data:`FAIL`.
+
+    Every entry must have exactly those two keys and a string name, and no name may repeat
+    (which value was meant would be a guess).
+    """
+    if type(value) is not list:
+        return FAIL
+    mapping: dict[str, Any] = {}
+    for entry in value:
+        if type(entry) is not dict or entry.keys() != PAIR_KEYS:
+            return FAIL
+        name = entry["name"]
+        if type(name) is not str or name in mapping:
+            return FAIL
+        mapping[name] = entry["value"]
+    return mapping

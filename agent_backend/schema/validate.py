@@ -85,7 +85,20 @@ def _branch_types(context: Any) -> str:
     return clip("; ".join(dict.fromkeys(wanted)), 120)
 
 
+def _render_not(details: dict[str, Any], value: Any) -> tuple[str, str]:
+    """A ``not``: ``{"not": {"required": [...]}}`` says which properties must be left out
+    (how a schema says "this or that, not both" without a top-level ``oneOf``)."""
+    excluded = details.get("schema")
+    names = excluded.get("required") if isinstance(excluded, dict) else None
+    if isinstance(excluded, dict) and excluded.keys() == {"required"} and isinstance(names, list):
+        listed = _options(names)
+        message = f"{listed} must be left out here (not allowed with the other arguments given)"
+        return message, f"no {listed}"
+    return f"got {_describe(value)}, a form the schema excludes here", "another form"
+
+
 _RENDERERS: dict[str, Callable[[dict[str, Any], Any], tuple[str, str]]] = {
+    "not": _render_not,
     "type": lambda d, v: (
         f"expected {' or '.join(d.get('types', []))}, got {_describe(v)}",
         " or ".join(d.get("types", [])),

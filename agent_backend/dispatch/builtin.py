@@ -99,6 +99,12 @@ BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
                 },
             },
             "additionalProperties": False,
+            # Exactly one of command and argv. Not a top-level oneOf: the Anthropic and
+            # OpenAI APIs refuse oneOf/anyOf/allOf at the top of a tool's parameters.
+            "if": {"required": ["argv"]},
+            "then": {"not": {"required": ["command"]}},
+            "else": {"required": ["command"]},
+            "examples": [{"command": "ls -la"}, {"argv": ["python3", "-c", "print(1 + 1)"]}],
         },
         "x-agent-backend": {"builtin": "exec"},
     },

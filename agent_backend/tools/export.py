@@ -1,8 +1,9 @@
 """Tool definitions on the wire: the plain, OpenAI, Anthropic and MCP shapes, both ways.
 
 :func:`tool_from_definition` reads one definition in any of the shapes (and
-applies legacy type normalization, warning once per tool); ``to_openai``,
-``to_anthropic`` and ``to_mcp`` write one. OpenAI and Anthropic forbid ``.``
+applies legacy type normalization, warning once per tool); ``to_openai``
+(optionally with the strict variant of the schema), ``to_anthropic`` and
+``to_mcp`` write one. OpenAI and Anthropic forbid ``.``
 in names, so those exports use :func:`wire_name` (``math.factorial`` ->
 ``math_factorial``); the registry keeps the mapping back.
 
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from agent_backend.errors import SchemaError
+from agent_backend.schema import strict_schema
 from agent_backend.tools.legacy import normalize_legacy_types
 from agent_backend.tools.tool import Tool, check_tool_name
 
@@ -182,16 +184,24 @@ def tool_from_definition(
         raise relocate_schema_error(err, source=source, prefix=schema_pointer) from None
 
 
-def to_openai(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
-    """``{"type": "function", "function": {"name", "description", "parameters"}}``."""
-    return {
-        "type": "function",
-        "function": {
-            "name": name or wire_name(tool.name),
-            "description": tool.description,
-            "parameters": copy.deepcopy(dict(tool.parameters)),
-        },
+def to_openai(tool: Tool, *, name: str | None = None, strict: bool = False) -> dict[str, Any]:
+    """``{"type": "function", "function": {"name", "description", "parameters"}}``.
+
+    ``strict=True``: the strict variant of the parameters
+    (:func:`~agent_backend.schema.strict_schema`) and ``"strict": true``, for
+    OpenAI's strict mode; calls written against it are prepared like any other
+    and mean the same. Raises :class:`SchemaError` when the schema has no strict form.
+    """
+    function: dict[str, Any] = {
+        "name": name or wire_name(tool.name),
+        "description": tool.description,
     }
+    if strict:
+        function["parameters"] = strict_schema(tool.parameters, source=tool.source)
+        function["strict"] = True
+    else:
+        function["parameters"] = copy.deepcopy(dict(tool.parameters))
+    return {"type": "function", "function": function}
 
 
 def to_anthropic(tool: Tool, *, name: str | None = None) -> dict[str, Any]:

@@ -304,11 +304,21 @@ class ToolRegistry:
 
     # -- exports ----------------------------------------------------------------------------------
 
-    def to_openai(self) -> list[dict[str, Any]]:
-        """``[{"type": "function", "function": {...}}]`` for the OpenAI ``tools`` parameter."""
-        return [
-            export.to_openai(t, name=self._alias.get(t.name, t.name)) for t in self._tools.values()
-        ]
+    def to_openai(self, *, strict: bool = False) -> list[dict[str, Any]]:
+        """``[{"type": "function", "function": {...}}]`` for the OpenAI ``tools`` parameter.
+
+        ``strict=True``: each tool whose schema has a strict variant is exported with it
+        and ``"strict": true`` (:func:`~agent_backend.tools.to_openai`); the others as
+        they are, without ``strict``, the way OpenAI's SDKs fall back.
+        """
+        exported = []
+        for tool in self._tools.values():
+            name = self._alias.get(tool.name, tool.name)
+            try:
+                exported.append(export.to_openai(tool, name=name, strict=strict))
+            except SchemaError:
+                exported.append(export.to_openai(tool, name=name))
+        return exported
 
     def to_anthropic(self) -> list[dict[str, Any]]:
         """``[{"name", "description", "input_schema"}]`` for the Anthropic ``tools`` parameter."""

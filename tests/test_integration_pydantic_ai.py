@@ -25,6 +25,7 @@ from toolset_fixtures import (
     daemon_fixture,
     framework_missing,
     pool_config,
+    wait_for_pid,
 )
 
 from agent_backend import Dispatcher, ToolRegistry
@@ -99,17 +100,6 @@ def error_seen(part: ToolReturnPart) -> str:
     shown = json.loads(part.model_response_str())
     assert shown == {"error": part.content}
     return str(shown["error"])
-
-
-async def wait_for_pid(root: Path) -> int:
-    """The pid a command wrote to ``pid`` in its workspace under ``root``, once it has."""
-    with anyio.fail_after(10):
-        while True:
-            async for path in anyio.Path(root).glob("agent-backend-ws-*/pid"):
-                text = await path.read_text()
-                if text.endswith("\n"):
-                    return int(text)
-            await anyio.sleep(0.01)
 
 
 # -- the workspace: one per run, every call of the run in it ---------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import NoReturn
 
+import anyio
 import pytest
 from daemon_fixtures import TOKEN
 
@@ -43,6 +44,21 @@ def framework_missing(exc: ImportError, extra: str) -> NoReturn:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true and {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+async def wait_for_pid(root: Path) -> int:
+    """The pid a command wrote to ``pid`` in its workspace under ``root``, once it has.
+
+    The test's commands run ``echo $$ > pid; exec sleep 30``: the pid is the
+    command's own, the leader of its process group.
+    """
+    with anyio.fail_after(10):
+        while True:
+            async for path in anyio.Path(root).glob("agent-backend-ws-*/pid"):
+                text = await path.read_text()
+                if text.endswith("\n"):
+                    return int(text)
+            await anyio.sleep(0.01)
 
 
 def make_registry() -> ToolRegistry:

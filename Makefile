@@ -20,6 +20,15 @@ $(TRAINERS): $(STAMP) scripts/ensure-trainers.sh
 	bash scripts/ensure-trainers.sh $(BIN)/python
 	touch $(TRAINERS)
 
+# pydantic-ai, the OpenAI Agents SDK and LangChain, whose native toolsets the integration tests
+# and typecheck run against (docs/integrations.md). After $(TRAINERS): two pip runs at once in
+# one venv (make -j) would race.
+FRAMEWORKS := $(VENV)/.frameworks-installed
+$(FRAMEWORKS): $(STAMP) $(TRAINERS) scripts/ensure-frameworks.sh
+	bash scripts/ensure-frameworks.sh $(BIN)/python
+	touch $(FRAMEWORKS)
+typecheck pytest: $(FRAMEWORKS)
+
 # The daemon on the built-in local pool; it prints its URL, where its token is,
 # and curl commands to call it (docs/daemon.md). Ctrl-C stops it cleanly.
 run: $(STAMP)

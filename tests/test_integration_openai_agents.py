@@ -32,6 +32,7 @@ from agent_backend import Dispatcher, ToolRegistry
 from agent_backend.backends.local import LocalBackend
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import BackendUnavailable, PoolClosed
+from agent_backend.schema import strict_schema
 
 try:
     from agents import Agent, FunctionTool, RunConfig, Runner
@@ -173,7 +174,9 @@ async def test_a_tool_used_after_its_session_closed_raises(backend: Backend) -> 
 # -- what the model is offered ----------------------------------------------------------------------
 
 
-async def test_the_registry_s_tools_are_offered_as_function_tools(backend: Backend) -> None:
+async def test_the_registry_s_tools_are_offered_strict_with_their_strict_variant(
+    backend: Backend,
+) -> None:
     script = Script(done)
     async with session_tools(backend.runner) as tools:
         await run(tools, script)
@@ -183,12 +186,55 @@ async def test_the_registry_s_tools_are_offered_as_function_tools(backend: Backe
         function = offered[tool.name]
         assert isinstance(function, FunctionTool)
         assert function.description == tool.description
-        if function.strict_json_schema:  # strict only where the SDK leaves the schema as it is
-            assert ensure_strict_json_schema(dict(function.params_json_schema)) == (
-                function.params_json_schema
-            )
-        else:
-            assert function.params_json_schema == tool.parameters
+        assert function.strict_json_schema is True
+        assert function.params_json_schema == strict_schema(tool.parameters)
+        assert ensure_strict_json_schema(dict(function.params_json_schema)) == (
+            function.params_json_schema
+        )
+
+
+async def test_strict_false_offers_the_canonical_schemas(backend: Backend) -> None:
+    async with session_tools(backend.runner, strict=False) as tools:
+        offered = {tool.name: tool for tool in tools}
+    for tool in builtin_tools():
+        assert offered[tool.name].strict_json_schema is False
+        assert offered[tool.name].params_json_schema == tool.parameters
+
+
+async def test_calls_written_against_the_strict_variant_mean_the_canonical_call(
+    backend: Backend,
+) -> None:
+    # What a model in strict mode must send: every property, null for those it leaves
+    # out, the environment as name/value pairs.
+    script = Script(
+        call(
+            "exec",
+            {
+                "command": "echo $GREETING; cat",
+                "argv": None,
+                "timeout": None,
+                "stdin": "from stdin",
+                "env": [{"name": "GREETING", "value": "hi"}],
+            },
+        ),
+        call("write_file", {"path": "a.txt", "content": "0123456789"}),
+        call("read_file", {"path": "a.txt", "offset": None, "limit": None}),
+        call("list_dir", {"path": None}),
+        done,
+    )
+    async with session_tools(backend.runner) as tools:
+        await run(tools, script)
+    assert script.shown(0) == "hi\nfrom stdin"
+    assert script.shown(2) == "0123456789"
+    assert script.shown(3) == "a.txt  10"
+
+
+async def test_a_strict_call_giving_both_command_and_argv_is_refused(backend: Backend) -> None:
+    both = {"command": "true", "argv": ["true"], "timeout": None, "stdin": None, "env": None}
+    script = Script(call("exec", both), done)
+    async with session_tools(backend.runner) as tools:
+        await run(tools, script)
+    assert script.shown(0).startswith("Error: Invalid arguments for tool 'exec'")
 
 
 def test_strict_only_when_strict_mode_takes_the_schema_unchanged() -> None:

@@ -24,11 +24,14 @@ error and whatever the command printed. An infrastructure failure
 SDK ends the run with its ``UserError("Error running tool ...")`` raised from
 it (``__cause__`` is ours).
 
-A tool is declared strict (``strict_json_schema=True``) when its schema is
-already what OpenAI's strict mode accepts, unchanged: the SDK's own
-conversion would otherwise make every optional property required, which
-changes what a call means (``exec`` would demand both ``command`` and
-``argv``). Other tools are declared non-strict with their schema as is.
+Tools are offered in OpenAI's strict mode (``strict_json_schema=True``) with
+the strict variant of their schema (:func:`agent_backend.schema.strict_schema`:
+every property required, the optional ones nullable, a map as name/value
+pairs); the dispatcher reads a strict call back into the canonical one (a null
+leaves the property out), so it means what the canonical call means. A tool
+whose schema has no strict form, or whose variant the SDK would still rewrite,
+is offered non-strict with its schema as is; ``strict=False`` offers them all
+that way.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from agents.exceptions import UserError
 from agents.strict_schema import ensure_strict_json_schema
 from agents.tool_context import ToolContext
 
+from agent_backend.errors import SchemaError
 from agent_backend.integrations._sessions import (
     Runner,
     SessionLike,
@@ -51,6 +55,7 @@ from agent_backend.integrations._sessions import (
     run_call,
     tool_specs,
 )
+from agent_backend.schema import strict_schema
 
 __all__ = ["function_tools", "is_strict_schema", "session_tools"]
 
@@ -63,7 +68,21 @@ def is_strict_schema(parameters: dict[str, Any]) -> bool:
         return False
 
 
-def _function_tool(spec: ToolSpec, session: SessionLike, timeout: float | None) -> FunctionTool:
+def _parameters(spec: ToolSpec, strict: bool) -> tuple[dict[str, Any], bool]:
+    """The schema to offer for ``spec``, and whether it is strict."""
+    if strict:
+        try:
+            variant = strict_schema(spec.parameters, source=spec.name)
+        except SchemaError:  # no strict form (an untyped value, free keys...)
+            return spec.parameters, False
+        if is_strict_schema(variant):
+            return variant, True
+    return spec.parameters, False
+
+
+def _function_tool(
+    spec: ToolSpec, session: SessionLike, *, timeout: float | None, strict: bool
+) -> FunctionTool:
     async def invoke(context: ToolContext[Any], arguments: str) -> str:
         result = await run_call(
             session,
@@ -74,12 +93,13 @@ def _function_tool(spec: ToolSpec, session: SessionLike, timeout: float | None) 
         )
         return result.to_model_message()
 
+    parameters, is_strict = _parameters(spec, strict)
     return FunctionTool(
         name=spec.name,
         description=spec.description,
-        params_json_schema=spec.parameters,
+        params_json_schema=parameters,
         on_invoke_tool=invoke,
-        strict_json_schema=is_strict_schema(spec.parameters),
+        strict_json_schema=is_strict,
     )
 
 
@@ -88,12 +108,15 @@ async def function_tools(
     session: SessionLike,
     *,
     timeout: float | None = None,  # noqa: ASYNC109 - the tools' limit, not a wait of ours
+    strict: bool = True,
 ) -> list[FunctionTool]:
     """``runner``'s tools as ``FunctionTool``\\ s running in ``session`` (which stays the caller's).
 
     ``timeout``: seconds a call may take; default: each tool's own timeout.
+    ``strict``: offer each tool's strict variant where it has one (see the module).
     """
-    return [_function_tool(spec, session, timeout) for spec in await tool_specs(runner)]
+    specs = await tool_specs(runner)
+    return [_function_tool(spec, session, timeout=timeout, strict=strict) for spec in specs]
 
 
 @asynccontextmanager
@@ -101,7 +124,8 @@ async def session_tools(
     runner: Runner,
     *,
     timeout: float | None = None,  # noqa: ASYNC109 - the tools' limit, not a wait of ours
+    strict: bool = True,
 ) -> AsyncIterator[list[FunctionTool]]:
     """A new session of ``runner`` and its tools; the workspace is removed when the block ends."""
     async with open_session(runner) as session:
-        yield await function_tools(runner, session, timeout=timeout)
+        yield await function_tools(runner, session, timeout=timeout, strict=strict)

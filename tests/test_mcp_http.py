@@ -313,21 +313,22 @@ async def test_refusals_are_json_rpc_errors_with_their_status(daemon: Daemon) ->
     async with httpx.AsyncClient(base_url=daemon.url) as anonymous:
         missing = await anonymous.post("/mcp", json=_init(), headers=ACCEPT)
         assert missing.status_code == 401
-        assert missing.headers["www-authenticate"] == 'Bearer realm="agent-backend"'
+        # The daemon's one challenge: no resource_metadata, nothing to start OAuth discovery.
+        assert missing.headers["www-authenticate"] == "Bearer"
         body = missing.json()
         assert body["jsonrpc"] == "2.0"
         assert body["id"] is None
+        assert body["error"]["code"] == -32600
         assert body["error"]["message"].startswith(
             "401 Unauthorized: missing or wrong bearer token"
         )
         assert "does not use OAuth" in body["error"]["message"]
+        assert body["error"]["type"] == "Unauthorized"  # as /v1 says it, for the daemon's clients
         wrong = await anonymous.post(
             "/mcp", json=_init(), headers={**ACCEPT, "Authorization": "Bearer " + "x" * 32}
         )
         assert wrong.status_code == 401
-        challenge = wrong.headers["www-authenticate"]
-        assert 'error="invalid_token"' in challenge
-        assert "resource_metadata" not in challenge
+        assert "resource_metadata" not in wrong.headers["www-authenticate"]
     async with daemon.async_http() as http:
         rebinding = await http.post(
             "/mcp", json=_init(), headers={**ACCEPT, "Host": "evil.example"}
@@ -375,7 +376,8 @@ async def test_argument_and_body_limits_match_v1() -> None:
                 "/mcp", json=_call(1, "echo", {"value": "x" * 2000}), headers=ACCEPT
             )
             assert raw.status_code == 413
-            assert raw.json()["error"]["data"]["error"]["type"] == "RequestTooLarge"
+            assert raw.json()["error"]["type"] == "RequestTooLarge"
+            assert raw.json()["error"]["fields"]["what"] == "arguments"
 
 
 async def test_concurrency_limit_is_shared_with_v1() -> None:

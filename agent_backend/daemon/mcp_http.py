@@ -51,7 +51,7 @@ from agent_backend.daemon.auth import PRINCIPAL_KEY
 from agent_backend.daemon.errors import status_for
 from agent_backend.daemon.limits import BODY_KEY
 from agent_backend.daemon.mcp_sessions import McpSession, McpSessions
-from agent_backend.errors import AgentBackendError, RequestTooLarge, clip
+from agent_backend.errors import AgentBackendError, DaemonError, RequestTooLarge, clip
 from agent_backend.mcp import SERVED_VERSIONS, JsonRpcError, McpHandlers
 from agent_backend.wire import error_to_wire
 
@@ -99,10 +99,18 @@ class _Refusal(Exception):
 
 
 def _refusal_error(status: int, message: str, detail: Any = None) -> JsonRpcError:
+    """A refusal's JSON-RPC error: the status and words for MCP clients, the daemon's error too.
+
+    ``type`` and ``fields`` (the daemon's :class:`~agent_backend.wire.ErrorDetail`, as
+    ``/v1`` sends it) ride beside ``code`` and ``message``: JSON-RPC clients ignore
+    members they do not know, and the daemon's own clients read them.
+    """
+    if not isinstance(detail, dict):
+        detail = error_to_wire(DaemonError(message, status=status)).model_dump()
     code = types.INVALID_REQUEST if status < 500 else types.INTERNAL_ERROR
     phrase = http.HTTPStatus(status).phrase if status in http.HTTPStatus._value2member_map_ else ""
-    data = {"status": status, **({"error": detail} if detail is not None else {})}
-    return JsonRpcError(code, f"{status} {phrase}: {message}", data)
+    extra = {"type": detail.get("type", "DaemonError"), "fields": detail.get("fields", {})}
+    return JsonRpcError(code, f"{status} {phrase}: {message}", {"status": status}, extra=extra)
 
 
 def _error_message(request_id: Any, error: JsonRpcError) -> dict[str, Any]:
@@ -553,23 +561,14 @@ def _unsupported(requested: str) -> JsonRpcError:
 # -- the daemon's refusals, as MCP clients read them --------------------------------------------
 
 
-def _www_authenticate(scope: Scope) -> bytes:
-    presented = any(name == b"authorization" for name, _ in scope["headers"])
-    # No resource_metadata and no scope: nothing to send a client into OAuth discovery.
-    value = 'Bearer realm="agent-backend"'
-    if presented:
-        value += ', error="invalid_token", error_description="not this daemon\'s token"'
-    return value.encode()
-
-
 class JsonRpcRefusals:
     """ASGI middleware for ``/mcp``: the daemon's error bodies rewritten as JSON-RPC errors.
 
     The daemon's middlewares (auth, body limit, concurrency) answer with an
     :class:`~agent_backend.wire.ErrorBody`; MCP clients read only a
     JSON-RPC error, and show its message. The status stays; a 401 says how
-    to pass the static token, and its ``WWW-Authenticate`` names no OAuth
-    metadata.
+    to pass the static token, and its ``WWW-Authenticate: Bearer`` names no
+    ``resource_metadata``: nothing points a client at OAuth discovery.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -609,14 +608,13 @@ class JsonRpcRefusals:
         headers = [
             (name, value)
             for name, value in start.get("headers", [])
-            if name not in (b"content-length", b"content-type", b"www-authenticate")
+            if name not in (b"content-length", b"content-type")
         ]
         if status == 401:
             text += (
                 "; send 'Authorization: Bearer <token>' with the daemon's static token "
                 "(`agent-backend serve` prints where it is); this server does not use OAuth"
             )
-            headers.append((b"www-authenticate", _www_authenticate(scope)))
         refusal = _Refusal(status, _refusal_error(status, text, detail), headers)
         await _send_refusal(send, refusal)
 

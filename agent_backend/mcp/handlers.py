@@ -64,14 +64,18 @@ CallObserver = Callable[[str, "ToolResult | AgentBackendError", float], None]
 class JsonRpcError(Exception):
     """A JSON-RPC error answer: ``code``, a message the client shows, optional ``data``."""
 
-    def __init__(self, code: int, message: str, data: Any = None) -> None:
+    def __init__(
+        self, code: int, message: str, data: Any = None, *, extra: Mapping[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.data = data
+        self.extra = dict(extra or {})
+        """Members beside ``code``/``message``/``data`` (clients ignore what they do not know)."""
 
     def to_wire(self) -> dict[str, Any]:
-        error: dict[str, Any] = {"code": self.code, "message": self.message}
+        error: dict[str, Any] = {**self.extra, "code": self.code, "message": self.message}
         if self.data is not None:
             error["data"] = self.data
         return error

@@ -22,6 +22,7 @@ import anyio
 import typer
 
 from agent_backend.errors import AgentBackendError, ModelFacingError
+from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.tools import ToolCall, ToolRegistry
 
 app = typer.Typer(
@@ -42,7 +43,7 @@ pool_app = typer.Typer(
 )
 app.add_typer(pool_app, name="pool")
 
-DEFAULT_TOOLS_DIR = Path(__file__).resolve().parents[1] / "schemas" / "tools"
+DEFAULT_TOOLS_DIR = BUILTIN_TOOLS_DIR
 
 ToolsDir = Annotated[
     Path,

@@ -39,10 +39,11 @@ import orjson
 import typer
 
 from agent_backend.errors import AgentBackendError
+from agent_backend.resources import BUILTIN_TOOLS_DIR
 
 __all__ = ["ledger_path", "load_prompts", "rollout_command"]
 
-DEFAULT_TOOLS_DIR = Path(__file__).resolve().parents[2] / "schemas" / "tools"
+DEFAULT_TOOLS_DIR = BUILTIN_TOOLS_DIR
 EXIT_LEFT = 1
 EXIT_FAILED = 3
 EXIT_INTERRUPTED = 130

@@ -67,6 +67,7 @@ from agent_backend.errors import (
     clip,
 )
 from agent_backend.lifecycle import AsyncResource
+from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
@@ -295,8 +296,7 @@ class RayRolloutWorkers(AsyncResource):
         self.config = config
         self.episode = episode or EpisodeConfig()
         self._policy = dict(policy)
-        default_tools = Path(__file__).resolve().parents[2] / "schemas" / "tools"
-        self._tools_dir = str(tools_dir if tools_dir is not None else default_tools)
+        self._tools_dir = str(tools_dir if tools_dir is not None else BUILTIN_TOOLS_DIR)
         self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
         self._reward = reward
         self._token = secrets.token_hex(3)

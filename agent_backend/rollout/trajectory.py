@@ -40,6 +40,7 @@ from typing import Annotated, Any, Final, Literal, get_args
 import pydantic
 
 from agent_backend.errors import NonFiniteLogprobs
+from agent_backend.resources import SOURCE_ROOT
 
 __all__ = [
     "STOP_REASONS",
@@ -66,10 +67,8 @@ StopReason = Literal[
 STOP_REASONS: Final[tuple[str, ...]] = get_args(StopReason)
 
 #: The checked-in JSON Schema of :class:`Trajectory` (a test keeps it equal to
-#: ``Trajectory.model_json_schema()``).
-TRAJECTORY_SCHEMA_PATH: Final[Path] = (
-    Path(__file__).resolve().parents[2] / "schemas" / "wire" / "rollout.json"
-)
+#: ``Trajectory.model_json_schema()``): a file of the source tree, which a wheel does not ship.
+TRAJECTORY_SCHEMA_PATH: Final[Path] = SOURCE_ROOT / "schemas" / "wire" / "rollout.json"
 
 # Token lists are validated as plain ints (several times faster than per-item constraints
 # on long completions) and range-checked in one pass by ``_check_alignment``; the schema

@@ -14,32 +14,27 @@
 * ``strict_schema`` on other schemas: pydantic-generated ones, and the shapes
   that have no strict form.
 
-All with the real packages (openai-agents, pydantic-ai, jsonschema).
+All with the real packages (openai-agents, pydantic-ai, jsonschema); the tests that need a
+framework skip without it, except under CI=true, where they fail.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import anyio
 import jsonschema
 import pydantic
 import pytest
-from agents import FunctionTool
-from agents.exceptions import UserError
-from agents.strict_schema import ensure_strict_json_schema
-from agents.tool import invoke_function_tool
-from agents.tool_context import ToolContext
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic_ai import Agent
-from pydantic_ai import Tool as PydanticAITool
-from pydantic_ai.models.test import TestModel
-from pydantic_ai.profiles.openai import OpenAIJsonSchemaTransformer
 
 from agent_backend import SchemaError, ToolArgumentError
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
@@ -52,6 +47,49 @@ pytestmark = pytest.mark.timeout(60)
 BUILTINS = {tool.name: tool for tool in builtin_tools()}
 NAMES = sorted(BUILTINS)
 Draft = jsonschema.Draft202012Validator
+
+
+def _framework(module: str, extra: str) -> None:
+    """Skip without ``module`` (fail under CI=true: ``make test`` installs the extras)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {module} is not installed: {exc}")
+        pytest.skip(f"{module} is not installed: pip install -e '.[{extra}]'")
+
+
+def agents_sdk() -> SimpleNamespace:
+    """The OpenAI Agents SDK's strict-schema and function-tool parts."""
+    _framework("agents", "openai-agents")
+    from agents import FunctionTool
+    from agents.exceptions import UserError
+    from agents.strict_schema import ensure_strict_json_schema
+    from agents.tool import invoke_function_tool
+    from agents.tool_context import ToolContext
+
+    return SimpleNamespace(
+        FunctionTool=FunctionTool,
+        UserError=UserError,
+        ensure_strict_json_schema=ensure_strict_json_schema,
+        invoke_function_tool=invoke_function_tool,
+        ToolContext=ToolContext,
+    )
+
+
+def pydantic_ai() -> SimpleNamespace:
+    """pydantic-ai's agent, TestModel, schema tools and OpenAI strict transformer."""
+    _framework("pydantic_ai", "pydantic-ai")
+    from pydantic_ai import Agent, Tool
+    from pydantic_ai.models.test import TestModel
+    from pydantic_ai.profiles.openai import OpenAIJsonSchemaTransformer
+
+    return SimpleNamespace(
+        Agent=Agent,
+        Tool=Tool,
+        TestModel=TestModel,
+        OpenAIJsonSchemaTransformer=OpenAIJsonSchemaTransformer,
+    )
 
 
 def strict_parameters(name: str) -> dict[str, Any]:
@@ -139,8 +177,9 @@ def test_exec_examples_are_valid_calls() -> None:
 def test_agents_sdk_does_not_strictify_canonical_exec_on_its_own() -> None:
     """Over MCP with ``convert_schemas_to_strict``, the SDK would make every property required
     (both command and argv): it refuses the map instead, and serves exec non-strict."""
-    with pytest.raises(UserError, match="additionalProperties"):
-        ensure_strict_json_schema(copy.deepcopy(BUILTIN_DEFINITIONS["exec"]["parameters"]))
+    sdk = agents_sdk()
+    with pytest.raises(sdk.UserError, match="additionalProperties"):
+        sdk.ensure_strict_json_schema(copy.deepcopy(BUILTIN_DEFINITIONS["exec"]["parameters"]))
 
 
 # -- the strict variant, as the real SDKs take it ------------------------------------------------
@@ -148,13 +187,14 @@ def test_agents_sdk_does_not_strictify_canonical_exec_on_its_own() -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_strict_variant_is_what_the_agents_sdk_would_make_of_it(name: str) -> None:
+    sdk = agents_sdk()
     params = strict_parameters(name)
-    assert ensure_strict_json_schema(copy.deepcopy(params)) == params
+    assert sdk.ensure_strict_json_schema(copy.deepcopy(params)) == params
 
-    async def never(ctx: ToolContext[Any], arguments: str) -> str:
+    async def never(ctx: Any, arguments: str) -> str:
         raise AssertionError("not called")
 
-    tool = FunctionTool(
+    tool = sdk.FunctionTool(
         name=name,
         description=BUILTINS[name].description,
         params_json_schema=copy.deepcopy(params),
@@ -167,11 +207,12 @@ def test_strict_variant_is_what_the_agents_sdk_would_make_of_it(name: str) -> No
 
 @pytest.mark.parametrize("name", NAMES)
 def test_strict_variant_passes_pydantic_ai_openai_strict_checks(name: str) -> None:
+    transformer = pydantic_ai().OpenAIJsonSchemaTransformer
     params = strict_parameters(name)
-    compatible = OpenAIJsonSchemaTransformer(copy.deepcopy(params), strict=None)
+    compatible = transformer(copy.deepcopy(params), strict=None)
     assert compatible.walk() == params
     assert compatible.is_strict_compatible
-    assert OpenAIJsonSchemaTransformer(copy.deepcopy(params), strict=True).walk() == params
+    assert transformer(copy.deepcopy(params), strict=True).walk() == params
 
 
 def test_strict_exec_writes_env_as_pairs_and_every_property_nullable() -> None:
@@ -320,17 +361,18 @@ async def test_a_function_tool_built_from_the_strict_export_runs_real_calls(
 ) -> None:
     """The Agents SDK's own FunctionTool, strict, forwarding to the session: what an
     OpenAI model in strict mode sends reaches the tool and runs."""
+    sdk = agents_sdk()
     tools = {}
     for entry in ToolRegistry(builtin_tools()).to_openai(strict=True):
         function = entry["function"]
 
-        async def forward(ctx: ToolContext[Any], arguments: str) -> str:
+        async def forward(ctx: Any, arguments: str) -> str:
             result = await session.call(
                 ToolCall(ctx.tool_call_id, ctx.tool_name, arguments, "openai")
             )
             return result.to_model_message()
 
-        tools[function["name"]] = FunctionTool(
+        tools[function["name"]] = sdk.FunctionTool(
             name=function["name"],
             description=function["description"],
             params_json_schema=function["parameters"],
@@ -339,10 +381,10 @@ async def test_a_function_tool_built_from_the_strict_export_runs_real_calls(
         )
     for index, (name, canonical, output) in enumerate(_RUNS):
         arguments = json.dumps(strict_form(BUILTIN_DEFINITIONS[name]["parameters"], canonical))
-        context = ToolContext(
+        context = sdk.ToolContext(
             context=None, tool_name=name, tool_call_id=f"call_{index}", tool_arguments=arguments
         )
-        answer = await invoke_function_tool(
+        answer = await sdk.invoke_function_tool(
             function_tool=tools[name], context=context, arguments=arguments
         )
         assert str(answer).startswith(output), (name, answer)
@@ -354,6 +396,7 @@ async def test_pydantic_ai_test_model_makes_calls_that_validate_and_run(
 ) -> None:
     """TestModel generates each tool's arguments from its canonical schema (it sent ``{}`` to
     exec before the schema said command-or-argv); every call passes validation and runs."""
+    framework = pydantic_ai()
     results = {}
 
     def forward(name: str) -> Any:
@@ -365,7 +408,7 @@ async def test_pydantic_ai_test_model_makes_calls_that_validate_and_run(
         return run
 
     tools = [
-        PydanticAITool.from_schema(
+        framework.Tool.from_schema(
             forward(name),
             name=name,
             description=BUILTINS[name].description,
@@ -373,7 +416,7 @@ async def test_pydantic_ai_test_model_makes_calls_that_validate_and_run(
         )
         for name in NAMES
     ]
-    await Agent(TestModel(), tools=tools).run("use every tool")
+    await framework.Agent(framework.TestModel(), tools=tools).run("use every tool")
     assert sorted(results) == NAMES
     for name, result in results.items():
         assert result.error_type != "ToolArgumentError", (name, result.error)
@@ -422,11 +465,12 @@ def search(
 
 
 def test_a_pydantic_generated_schema_has_a_strict_variant_that_means_the_same() -> None:
+    sdk, framework = agents_sdk(), pydantic_ai()
     tool = tool_from_function(search)
     params = to_openai(tool, strict=True)["function"]["parameters"]
     Draft.check_schema(params)
-    assert ensure_strict_json_schema(copy.deepcopy(params)) == params
-    transformer = OpenAIJsonSchemaTransformer(copy.deepcopy(params), strict=None)
+    assert sdk.ensure_strict_json_schema(copy.deepcopy(params)) == params
+    transformer = framework.OpenAIJsonSchemaTransformer(copy.deepcopy(params), strict=None)
     assert transformer.walk() == params
     assert transformer.is_strict_compatible
     strict = {
@@ -462,7 +506,7 @@ def test_nullable_forms_of_enum_const_ref_and_union() -> None:
         "fixed": {"anyOf": [{"const": "x"}, {"type": "null"}], "description": "always x"},
         "either": {"anyOf": [{"type": "integer"}, {"type": "string"}, {"type": "null"}]},
     }
-    assert ensure_strict_json_schema(copy.deepcopy(strict)) == strict
+    assert agents_sdk().ensure_strict_json_schema(copy.deepcopy(strict)) == strict
     tool = Tool("t", parameters=schema)
     assert tool.prepare({"color": None, "fixed": None, "either": None}) == {}
 

@@ -206,9 +206,47 @@ async def test_http_notifications_cancelled_kills_the_command(
             response = await http.post("/mcp", json=cancel, headers=headers)
             assert response.status_code == 202
         await marked.assert_ended(pid)
-    answer = answers[0].json()
-    assert answer["id"] == 7
-    assert answer["error"]["message"] == "the request was cancelled"
+    # No response to a cancelled request, as the spec asks: on HTTP, 202 and no body.
+    assert answers[0].status_code == 202
+    assert answers[0].content == b""
+
+
+async def test_http_delete_ends_the_sessions_calls(daemon: Daemon, tmp_path: Path) -> None:
+    marked = Marked(tmp_path)
+    answers: list[httpx.Response] = []
+    async with daemon.async_http(timeout=30) as http:
+        headers = await _initialize(http)
+
+        async def call() -> None:
+            answers.append(await http.post("/mcp", json=_call(8, marked.command), headers=headers))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(call)
+            pid = await marked.wait_started()
+            assert (await http.delete("/mcp", headers=headers)).status_code == 204
+        await marked.assert_ended(pid)
+    assert answers[0].status_code == 202
+
+
+async def test_http_read_timeout_then_leaving_at_once(daemon: Daemon, tmp_path: Path) -> None:
+    # The client gives up and closes straight away (DELETE while the call is being
+    # cancelled): nothing the server still sends may crash the closing client.
+    marked = Marked(tmp_path)
+    with pytest.raises(BaseException) as caught:  # noqa: PT011 - the SDK wraps it in groups
+        async with _http_client(daemon)() as client:
+            await client.call_tool("exec", {"command": marked.command}, read_timeout_seconds=2.0)
+    leaves = list(_leaves(caught.value))
+    assert leaves, caught.value
+    for leaf in leaves:  # the timeout, and nothing else (no ClosedResourceError)
+        assert isinstance(leaf, MCPError), repr(leaf)
+        assert "timed out" in str(leaf)
+    await marked.assert_ended(await marked.wait_started())
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
 
 
 async def test_http_stateless_notifications_cancelled(daemon: Daemon, tmp_path: Path) -> None:

@@ -57,7 +57,6 @@ from agent_backend.wire import error_to_wire
 
 __all__ = [
     "MCP_PATH",
-    "REQUEST_CANCELLED",
     "JsonRpcRefusals",
     "McpEndpoint",
     "loopback_guard",
@@ -67,9 +66,6 @@ __all__ = [
 logger = logging.getLogger("agent_backend.daemon")
 
 MCP_PATH: Final = "/mcp"
-#: The error a request ended by ``notifications/cancelled`` is answered with (LSP's code;
-#: the client has stopped waiting for it by then).
-REQUEST_CANCELLED: Final = -32800
 #: The version of a request without a session and without ``MCP-Protocol-Version`` (the spec's).
 _DEFAULT_VERSION: Final = "2025-03-26"
 _BATCH_VERSIONS: Final = frozenset({"2025-03-26"})
@@ -419,7 +415,8 @@ class _Exchange:
                 return await self._answer(request, scope=work)
             finally:
                 watcher.cancel()
-        return self._cancelled(request)
+        self._cancelled(request)
+        return None
 
     async def _answer_in_group(
         self, request: types.JSONRPCRequest, receive: Receive
@@ -430,7 +427,8 @@ class _Exchange:
                 reply = await self._answer(request, scope=work)
                 group.cancel_scope.cancel()
             return reply
-        return self._cancelled(request)
+        self._cancelled(request)
+        return None
 
     async def _run_call(
         self, request: types.JSONRPCRequest, mcp: McpSession, scope: anyio.CancelScope
@@ -455,13 +453,16 @@ class _Exchange:
         self.disconnected = True
         work.cancel()
 
-    def _cancelled(self, request: types.JSONRPCRequest) -> dict[str, Any] | None:
-        if self.disconnected:
-            logger.info("MCP client disconnected; its call %r was ended", request.id)
-            return None
-        return _error_message(
-            request.id, JsonRpcError(REQUEST_CANCELLED, "the request was cancelled")
-        )
+    def _cancelled(self, request: types.JSONRPCRequest) -> None:
+        """No reply for a request that was ended: cancelled, its session ended, or its client gone.
+
+        The spec asks for no response to a cancelled request; on HTTP that is a
+        202 with no body, which the SDK clients take as "none will follow" even
+        while they are closing (a late JSON-RPC answer crashes the mcp 2.x client
+        then).
+        """
+        why = "its client disconnected" if self.disconnected else "it was cancelled"
+        logger.info("MCP request %r ended: %s", request.id, why)
 
     def _notify(self, message: dict[str, Any]) -> None:
         if message.get("method") != "notifications/cancelled":
@@ -499,7 +500,8 @@ class _Exchange:
                 return await self._run_call(request, mcp, scope)
             with anyio.CancelScope() as own:
                 return await self._run_call(request, mcp, own)
-            return self._cancelled(request)
+            self._cancelled(request)
+            return None
         except JsonRpcError as error:
             return _error_message(request.id, error)
         except Exception:

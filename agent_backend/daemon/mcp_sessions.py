@@ -56,6 +56,11 @@ class McpSession:
     def is_closed(self) -> bool:
         return self.session.is_closed()
 
+    def end_calls(self) -> None:
+        """End every request in flight (the session is ending: no one waits for them)."""
+        for scope in self.calls.values():
+            scope.cancel()
+
     def cancel(self, request_id: RequestId) -> bool:
         """End request ``request_id`` if it is in flight here; whether it was."""
         scope = self.calls.get(request_id)
@@ -133,6 +138,7 @@ class McpSessions:
         """End ``session_id``: its calls are ended and its workspace removed."""
         mcp = self.get(principal, session_id)
         del self._sessions[session_id]
+        mcp.end_calls()  # answered 202, like a cancellation, not with a result
         await self.table.close(principal, mcp.session.id)
 
     def forget(self) -> None:

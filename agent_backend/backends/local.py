@@ -63,6 +63,8 @@ _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EA
 # After the group is ended, how long pipes still held by an escaped process
 # (one that left the group with setsid or setpgid) may keep the call from returning.
 _DRAIN_SECONDS = 1.0
+# How long a leader's exit status may take to be collected once its group is gone.
+_REAP_SECONDS = 5.0
 
 
 class LocalPoolConfig(pydantic.BaseModel):
@@ -449,11 +451,20 @@ class LocalHost(Host):
                     await self._end_group(process)
                     with anyio.move_on_after(_DRAIN_SECONDS):
                         await process.wait_pipes_closed()
+                    # The group is gone, but a leader that died of the SIGTERM may be a
+                    # zombie asyncio has not collected yet: its status comes in a moment.
+                    with anyio.move_on_after(_REAP_SECONDS):
+                        await process.wait_exit()
                 finally:
                     process.close()
         returncode = process.returncode
-        assert returncode is not None
-        exit_status, signal_name = _exit_of(returncode)
+        exit_status: int | None
+        signal_name: str | None
+        if returncode is None:  # not collected in time: ended by us, status unknown
+            logger.warning("pid %d: exit status not collected after its group ended", process.pid)
+            exit_status, signal_name = None, "unknown (exit status not collected)"
+        else:
+            exit_status, signal_name = _exit_of(returncode)
         return CommandResult(
             exit_status=exit_status,
             signal=signal_name,

@@ -135,6 +135,15 @@ async def test_timeout_kills_the_whole_process_group(host: LocalHost) -> None:
     assert await wait_dead(grandchild, within=1.0)
 
 
+async def test_a_leader_killed_by_sigterm_always_reports_its_signal(host: LocalHost) -> None:
+    # The leader is the sleeping process itself: the group is found empty while the leader
+    # may still be a zombie nobody collected; its status must be waited for, every time.
+    for _ in range(20):
+        result = await host.run(sh("exec sleep 30", timeout=0.1))
+        assert result.timed_out
+        assert (result.exit_status, result.signal) == (None, "SIGTERM")
+
+
 async def test_a_group_that_ignores_sigterm_gets_sigkill(host: LocalHost) -> None:
     line = "trap '' TERM; (trap '' TERM; sleep 60) & echo $!; sleep 60"
     started = time.monotonic()

@@ -27,6 +27,9 @@ def test_all_lists_exactly_the_public_names() -> None:
 FRAMEWORKS = {
     "agent_backend.integrations.verl": "verl",
     "agent_backend.integrations.skyrl": "skyrl",
+    "agent_backend.integrations.pydantic_ai": "pydantic_ai",
+    "agent_backend.integrations.openai_agents": "agents",
+    "agent_backend.integrations.langchain": "langchain_core",
 }
 
 

@@ -10,6 +10,7 @@ that the marker was never written. On stdio and on the daemon's ``/mcp``.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -140,6 +141,47 @@ async def test_stdio_client_gone_kills_the_command(tmp_path: Path) -> None:
         pid = await marked.wait_started()
         group.cancel_scope.cancel()  # the client closes the server's stdin and goes
     await marked.assert_ended(pid)
+
+
+async def test_stdio_writes_nothing_after_stdin_closed(tmp_path: Path) -> None:
+    # A client that closed stdin has stopped reading (mcp 1.x fails on a late message).
+    marked = Marked(tmp_path)
+    lines = [
+        {
+            "jsonrpc": "2.0",
+            "id": 0,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "raw", "version": "1"},
+            },
+        },
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "exec", "arguments": {"command": marked.command}},
+        },
+    ]
+    process = await anyio.open_process(
+        [sys.executable, "-m", "agent_backend.cli", "mcp"], cwd=str(ROOT), stderr=None
+    )
+    async with process:
+        assert process.stdin is not None
+        assert process.stdout is not None
+        await process.stdin.send(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
+        pid = await marked.wait_started()
+        await process.stdin.aclose()
+        written = b""
+        with anyio.fail_after(15):
+            async for chunk in process.stdout:
+                written += chunk
+            assert await process.wait() == 0
+    await marked.assert_ended(pid)
+    replies = [json.loads(line) for line in written.splitlines()]
+    assert [reply["id"] for reply in replies] == [0]  # initialize's answer, nothing after
 
 
 async def test_http_read_timeout_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import anyio
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
@@ -57,6 +58,70 @@ def build_server(dispatcher: Dispatcher, *, session: Session | None = None) -> S
     )
 
 
+class _UntilEndOfInput:
+    """The client's messages, noting the end of stdin (the client's "I am done")."""
+
+    def __init__(self, stream: Any, ended: anyio.Event) -> None:
+        self._stream = stream
+        self._ended = ended
+
+    async def receive(self) -> Any:
+        try:
+            return await self._stream.receive()
+        except anyio.EndOfStream:
+            self._ended.set()
+            raise
+
+    def __aiter__(self) -> _UntilEndOfInput:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> _UntilEndOfInput:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return bool(await self._stream.__aexit__(*exc_info))
+
+    def __getattr__(self, name: str) -> Any:  # aclose, last_context
+        return getattr(self._stream, name)
+
+
+class _WhileInputOpen:
+    """The server's messages, dropped once the client closed stdin.
+
+    On end of input the SDK answers the requests still in flight with
+    "Connection closed"; a client that closed stdin has stopped reading, and
+    the mcp 1.x client fails (BrokenResourceError) on a message it no longer
+    expects. Nobody waits for those answers.
+    """
+
+    def __init__(self, stream: Any, ended: anyio.Event) -> None:
+        self._stream = stream
+        self._ended = ended
+
+    async def send(self, item: Any, /) -> None:
+        if self._ended.is_set():
+            logger.debug("stdin closed: not sending %r", item)
+            return
+        await self._stream.send(item)
+
+    async def __aenter__(self) -> _WhileInputOpen:
+        await self._stream.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return bool(await self._stream.__aexit__(*exc_info))
+
+    def __getattr__(self, name: str) -> Any:  # aclose
+        return getattr(self._stream, name)
+
+
 async def serve_stdio(dispatcher: Dispatcher) -> None:
     """Serve ``dispatcher``'s tools over stdin/stdout until the client closes stdin.
 
@@ -65,5 +130,10 @@ async def serve_stdio(dispatcher: Dispatcher) -> None:
     async with dispatcher.session() as session:
         logger.info("MCP stdio session %s in %s", session.id, session.workspace)
         server = build_server(dispatcher, session=session)
+        ended = anyio.Event()
         async with stdio_server() as (read_stream, write_stream):
-            await server.run(read_stream, write_stream, server.create_initialization_options())
+            await server.run(
+                _UntilEndOfInput(read_stream, ended),
+                _WhileInputOpen(write_stream, ended),
+                server.create_initialization_options(),
+            )

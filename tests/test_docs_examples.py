@@ -3,16 +3,23 @@
 The TRL recipe (docs/rollouts.md) names a hub model; offline, it runs with the tiny one.
 The agent-framework recipes (docs/integrations.md) run with the frameworks' own test
 models; a block importing a framework that is not installed skips (fails under CI=true).
+Their MCP recipes launch `agent-backend` from the PATH (this venv's), a block that reads
+AGENT_BACKEND_URL gets a daemon to talk to, and one that imports langchain_mcp_adapters
+(which requires mcp<2) runs in .venv-mcp1 (scripts/ensure-mcp-clients.sh).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from daemon_fixtures import start_daemon
 from tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +46,20 @@ def require_frameworks(code: str) -> None:
             pytest.skip(reason)
 
 
+def run_in_mcp1_venv(code: str) -> None:
+    """Run a block that needs the MCP SDK 1.x in .venv-mcp1, with this test's environment."""
+    python = ROOT / ".venv-mcp1" / "bin" / "python"
+    if not python.exists():
+        reason = ".venv-mcp1 is missing: bash scripts/ensure-mcp-clients.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {reason}")
+        pytest.skip(reason)
+    done = subprocess.run(
+        [str(python), "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=90
+    )
+    assert done.returncode == 0, f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
 examples = [
     pytest.param(code, id=f"{path.name}#{index}")
     for path in DOCS
@@ -55,4 +76,14 @@ def test_example_runs(code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert TRL_MODEL in code
         code = code.replace(TRL_MODEL, repr(str(build_tiny_model(tmp_path / "model"))))
         monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental
-    exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    bin_dir = Path(sys.executable).parent  # `agent-backend` as in an activated venv
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
+    with contextlib.ExitStack() as stack:
+        if "AGENT_BACKEND_URL" in code:  # an MCP-over-HTTP recipe: a daemon to talk to
+            daemon = stack.enter_context(start_daemon())
+            monkeypatch.setenv("AGENT_BACKEND_URL", daemon.url)
+            monkeypatch.setenv("AGENT_BACKEND_TOKEN", daemon.token)
+        if "langchain_mcp_adapters" in code:
+            run_in_mcp1_venv(code)
+            return
+        exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})

@@ -67,6 +67,24 @@ def test_both_configured_tokens_work_and_the_scheme_is_case_insensitive(daemon: 
         assert response.status_code == 200
 
 
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/.well-known/oauth-protected-resource",
+        "/.well-known/oauth-protected-resource/mcp",
+        "/.well-known/oauth-authorization-server",
+        "/.well-known/openid-configuration",
+    ],
+)
+def test_oauth_discovery_is_404_not_401(daemon: Daemon, path: str) -> None:
+    # MCP clients (the Inspector among them) probe these after a 401; a 401 here too would
+    # read as "OAuth wanted". There is no OAuth: nothing is there, token or not.
+    for headers in ({}, daemon.headers()):
+        response = httpx.get(daemon.url + path, headers=headers)
+        assert response.status_code == 404, (path, headers)
+        assert TOKEN not in response.text
+
+
 def test_no_cors(daemon: Daemon) -> None:
     preflight = httpx.options(
         f"{daemon.url}/v1/call",

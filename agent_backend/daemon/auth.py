@@ -21,12 +21,14 @@ from agent_backend.daemon.errors import send_error
 from agent_backend.errors import Unauthorized
 from agent_backend.wire import API_PREFIX
 
-__all__ = ["OPEN_PATHS", "PRINCIPAL_KEY", "BearerAuth", "principal_of"]
+__all__ = ["DISCOVERY_PREFIX", "OPEN_PATHS", "PRINCIPAL_KEY", "BearerAuth", "principal_of"]
 
 #: The ASGI scope key the authenticated caller's id is put under.
 PRINCIPAL_KEY: Final = "agent_backend.principal"
 #: Paths answered without a token: liveness only.
 OPEN_PATHS: Final = frozenset({f"{API_PREFIX}/health/live"})
+#: Paths under this prefix reach the app without a token (it has none there: 404).
+DISCOVERY_PREFIX: Final = "/.well-known/"
 
 
 def principal_of(token: str) -> str:
@@ -66,7 +68,9 @@ class BearerAuth:
                 return
             await self.app(scope, receive, send)
             return
-        if scope["path"] in OPEN_PATHS:
+        if scope["path"] in OPEN_PATHS or scope["path"].startswith(DISCOVERY_PREFIX):
+            # Discovery documents (OAuth metadata that MCP clients probe for) do not exist
+            # here: a 404 says "no OAuth", where a 401 sends clients into an OAuth flow.
             await self.app(scope, receive, send)
             return
         principal = self._principal(scope)

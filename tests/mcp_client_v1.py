@@ -6,9 +6,10 @@
   agent driven by LangChain's own ``GenericFakeChatModel``, given ``bind_tools`` as LangChain's
   tests do for their fake tool-calling model.
 
-A worker: it reads one JSON request per line on stdin (``{"client", "server", "scenario"}``,
-shaped as in ``tests/mcp_client_cells.py``) and writes one JSON line per request on stdout,
-``{"outcome": ...}`` or ``{"crash": traceback}`` if the driver itself broke. It imports neither
+A worker: it reads one JSON request per line on stdin (``{"id", "client", "server",
+"scenario"}``, shaped as in ``tests/mcp_client_cells.py``) and writes one JSON line per
+request on stdout, ``{"id", "outcome"}``, or ``{"id", "crash": traceback}`` if the driver
+itself broke. It imports neither
 agent_backend nor pytest (neither is installed here), and writes nothing else to stdout:
 servers it launches write their logs to its stderr.
 """
@@ -184,11 +185,12 @@ def main() -> None:
         if not line.strip():
             continue
         request = json.loads(line)
+        reply: dict[str, Any] = {"id": request.get("id")}
         try:
             driver = DRIVERS[request["client"]]
-            reply = {"outcome": asyncio.run(driver(request["server"], request["scenario"]))}
+            reply["outcome"] = asyncio.run(driver(request["server"], request["scenario"]))
         except Exception:
-            reply = {"crash": traceback.format_exc()}
+            reply["crash"] = traceback.format_exc()
         sys.stdout.write(json.dumps(reply, default=str) + "\n")
         sys.stdout.flush()
 

@@ -20,6 +20,7 @@ import os
 import queue
 import subprocess
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
@@ -76,6 +77,7 @@ class V1Worker:
         self.process: subprocess.Popen[str] | None = None
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: TextIO | None = None
+        self.sent = 0
 
     def _start(self) -> subprocess.Popen[str]:
         self.log = self.log_path.open("a")
@@ -102,16 +104,21 @@ class V1Worker:
         if self.process is None or self.process.poll() is not None:
             self.process = self._start()
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(payload) + "\n")
+        self.sent += 1
+        self.process.stdin.write(json.dumps({**payload, "id": self.sent}) + "\n")
         self.process.stdin.flush()
-        try:
-            line = self.lines.get(timeout=V1_TIMEOUT)
-        except queue.Empty:
-            self.stop()
-            raise AssertionError(
-                f"the .venv-mcp1 client did not answer within {V1_TIMEOUT:g} s\n{self.log_tail()}"
-            ) from None
-        reply: dict[str, Any] = json.loads(line)
+        deadline = time.monotonic() + V1_TIMEOUT
+        reply: dict[str, Any] = {}
+        # A reply to an earlier request (one whose test timed out) is skipped.
+        while reply.get("id") != self.sent:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.stop()
+                raise AssertionError(
+                    f"the .venv-mcp1 client did not answer within {V1_TIMEOUT:g} s\n{self.log_tail()}"
+                ) from None
+            reply = json.loads(line)
         if "crash" in reply:
             raise AssertionError(f"the .venv-mcp1 driver broke:\n{reply['crash']}")
         return dict(reply["outcome"])

@@ -116,8 +116,17 @@ def tools_command(
     format: Annotated[
         ToolFormat, typer.Option("--format", "-f", help="table, or the JSON a provider expects.")
     ] = ToolFormat.table,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict",
+            help="With --format openai: the strict-mode variant of each tool that has one.",
+        ),
+    ] = False,
 ) -> None:
     """List the tools in a tool folder, as a table or in OpenAI, Anthropic or MCP shape."""
+    if strict and format is not ToolFormat.openai:
+        raise typer.BadParameter("--strict goes with --format openai", param_hint="--strict")
     registry = _registry(tools_dir)
     if format is ToolFormat.table:
         width = max((len(name) for name in registry.names()), default=4)
@@ -125,11 +134,13 @@ def tools_command(
             summary = (tool.description or "").strip().splitlines()
             typer.echo(f"{tool.name:<{width}}  {summary[0] if summary else ''}")
         return
-    exported = {
-        ToolFormat.openai: registry.to_openai,
-        ToolFormat.anthropic: registry.to_anthropic,
-        ToolFormat.mcp: registry.to_mcp,
-    }[format]()
+    exported = (
+        registry.to_openai(strict=strict)
+        if format is ToolFormat.openai
+        else registry.to_anthropic()
+        if format is ToolFormat.anthropic
+        else registry.to_mcp()
+    )
     typer.echo(json.dumps(exported, indent=2))
 
 

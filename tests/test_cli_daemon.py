@@ -112,3 +112,14 @@ def test_help_explains_each_command(command: list[str]) -> None:
     if command == ["serve"]:
         for option in ("--pool", "--host", "--port", "--tools-dir", "--token-file", "--grace"):
             assert option in shown.stdout
+
+
+def test_tools_strict_prints_the_strict_variant_and_needs_openai() -> None:
+    printed = runner.invoke(app, ["tools", "--format", "openai", "--strict"])
+    assert printed.exit_code == 0, printed.output
+    tools = {t["function"]["name"]: t["function"] for t in json.loads(printed.output)}
+    assert tools["exec"]["strict"] is True
+    assert "null" in tools["exec"]["parameters"]["properties"]["command"]["type"]
+    refused = runner.invoke(app, ["tools", "--strict"])
+    assert refused.exit_code == 2
+    assert "--format openai" in refused.output

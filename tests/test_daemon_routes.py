@@ -43,6 +43,19 @@ def test_tools_in_each_provider_shape(daemon: Daemon, fmt: str, key: str) -> Non
     assert len(body["tools"]) == len(make_registry())
 
 
+def test_tools_strict_is_the_strict_variant_and_only_for_openai(daemon: Daemon) -> None:
+    with daemon.http() as http:
+        strict = http.get("/v1/tools", params={"format": "openai", "strict": "true"})
+        refused = http.get("/v1/tools", params={"format": "mcp", "strict": "true"})
+    assert strict.status_code == 200
+    exec_tool = next(t for t in strict.json()["tools"] if t["function"]["name"] == "exec")
+    assert exec_tool["function"]["strict"] is True
+    parameters = exec_tool["function"]["parameters"]
+    assert sorted(parameters["required"]) == sorted(parameters["properties"])
+    assert refused.status_code == 422  # InvalidRequest, as for any request the daemon refuses
+    assert "format=openai" in refused.json()["error"]["message"]
+
+
 def test_a_call_and_its_failures_are_results(daemon: Daemon) -> None:
     with daemon.http() as http:
         ok = http.post("/v1/call", json={"name": "echo", "arguments": {"value": "hi"}, "id": "c1"})

@@ -207,13 +207,17 @@ class _Routes:
         await self.sessions.close(_principal(scope), session_id)
         return Response(status_code=204)
 
-    async def tools(self, fmt: Literal["openai", "anthropic", "mcp"]) -> Response:
+    async def tools(self, fmt: Literal["openai", "anthropic", "mcp"], *, strict: bool) -> Response:
         registry = self.dispatcher.registry
-        exported = {
-            "openai": registry.to_openai,
-            "anthropic": registry.to_anthropic,
-            "mcp": registry.to_mcp,
-        }[fmt]()
+        if strict and fmt != "openai":
+            raise InvalidRequest("strict=true is for format=openai (OpenAI's strict mode)")
+        exported = (
+            registry.to_openai(strict=strict)
+            if fmt == "openai"
+            else registry.to_anthropic()
+            if fmt == "anthropic"
+            else registry.to_mcp()
+        )
         return _json(ToolsResponse(format=fmt, tools=exported))
 
     def readiness(self) -> Readiness:
@@ -461,9 +465,16 @@ def create_app(
             Literal["openai", "anthropic", "mcp"],
             Query(description="The provider shape of the tool list."),
         ] = "openai",
+        strict: Annotated[
+            bool,
+            Query(
+                description="format=openai only: each tool that has one in its strict-mode "
+                "variant (every property required, optional ones nullable), with strict: true."
+            ),
+        ] = False,
     ) -> Response:
         """The tools this daemon runs, in OpenAI, Anthropic or MCP shape."""
-        return await routes.tools(format)
+        return await routes.tools(format, strict=strict)
 
     @v1.post("/call", response_model=ToolResult, tags=["calls"], responses=_SESSION_ERRORS)
     async def call(request: Request, body: CallRequest) -> Response:

@@ -79,5 +79,5 @@ bench: $(TRAINERS) system-deps vllm-env
 	done; exit $$status
 
 clean:
-	rm -rf $(VENV) .venv-vllm .pytest_cache .mypy_cache .ruff_cache .hypothesis build
+	rm -rf $(VENV) .venv-vllm .venv-mcp1 .mcp-clients .pytest_cache .mypy_cache .ruff_cache .hypothesis build
 	rm -f agent_backend/schema/_plain.*.so

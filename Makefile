@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRAINERS := $(VENV)/.trainers-installed
 
-.PHONY: run test lint typecheck pytest bench system-deps vllm-env clean
+.PHONY: run test test-envs lint typecheck pytest bench system-deps vllm-env clean
 
 $(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c
 	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
@@ -65,7 +65,12 @@ pytest: $(MCP_CLIENTS)
 pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
 	$(BIN)/python -m pytest -W error -q
 
-test: lint typecheck pytest
+# The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
+# side they cost the longest one's time, not the sum. System packages first (apt's lock).
+test-envs: $(STAMP) system-deps
+	$(MAKE) -j3 --no-print-directory --output-sync=target $(FRAMEWORKS) vllm-env $(MCP_CLIENTS)
+
+test: test-envs lint typecheck pytest
 
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.
 # Each prints its figures side by side with its baseline and PASS/FAIL per target.

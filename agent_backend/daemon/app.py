@@ -327,6 +327,28 @@ class DaemonApp:
         return self.api.openapi()
 
 
+def _guarded(
+    app: ASGIApp, settings: DaemonSettings, state: DaemonState, in_flight: InFlight
+) -> ASGIApp:
+    """``app`` behind the daemon's token check, body limit and per-token concurrency limit.
+
+    ``/v1`` and ``/mcp`` share one ``in_flight``: the limit counts a token's calls on both.
+    """
+    return BearerAuth(
+        BodyLimit(
+            ConcurrencyLimit(
+                app,
+                limit=settings.max_concurrent_per_token,
+                retry_after=settings.retry_after,
+                draining=lambda: state.draining,
+                in_flight=in_flight,
+            ),
+            max_bytes=settings.max_body_bytes,
+        ),
+        tokens=settings.tokens,
+    )
+
+
 def _mcp_app(
     dispatcher: Dispatcher,
     settings: DaemonSettings,
@@ -354,21 +376,7 @@ def _mcp_app(
         # DNS rebinding protection on loopback, as the mcp package does.
         guard=loopback_guard if is_loopback(settings.host) else None,
     )
-    stack = JsonRpcRefusals(
-        BearerAuth(
-            BodyLimit(
-                ConcurrencyLimit(
-                    endpoint,
-                    limit=settings.max_concurrent_per_token,
-                    retry_after=settings.retry_after,
-                    draining=lambda: state.draining,
-                    in_flight=in_flight,
-                ),
-                max_bytes=settings.max_body_bytes,
-            ),
-            tokens=settings.tokens,
-        )
-    )
+    stack = JsonRpcRefusals(_guarded(endpoint, settings, state, in_flight))
     return stack, mcp_sessions
 
 
@@ -540,22 +548,13 @@ def create_app(
 
     # Pure ASGI, outermost first; the hot routes never reach FastAPI (see _FastCalls).
     inner: ASGIApp = _FastCalls(app, routes=routes) if fast_path else app
-    stack: ASGIApp = BearerAuth(
-        BodyLimit(
-            ConcurrencyLimit(
-                Idempotency(
-                    inner,
-                    store=store,
-                    max_response_bytes=min(settings.idempotency_max_bytes, 16 << 20),
-                ),
-                limit=settings.max_concurrent_per_token,
-                retry_after=settings.retry_after,
-                draining=lambda: state.draining,
-                in_flight=in_flight,
-            ),
-            max_bytes=settings.max_body_bytes,
+    stack = _guarded(
+        Idempotency(
+            inner, store=store, max_response_bytes=min(settings.idempotency_max_bytes, 16 << 20)
         ),
-        tokens=settings.tokens,
+        settings,
+        state,
+        in_flight,
     )
     if mcp is not None:  # /mcp has its own stack, beside FastAPI's (mcp_http.py)
         stack = mount(stack, mcp[0])

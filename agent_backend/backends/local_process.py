@@ -7,12 +7,13 @@ callbacks, so a command costs no reader task, and its exit and the closing of
 its pipes are events to wait on.
 
 Why not ``anyio.open_process(start_new_session=True)``, which this replaced:
-side by side on two cores shared with a busy vLLM server, 16 concurrent
-``echo`` commands took 2-4x longer to spawn, run and reap (asyncio's own
-``create_subprocess_exec`` without ``setsid``: ~10-45 ms; with it: ~40-90 ms;
-through anyio's stream wrappers with it: ~90-130 ms). ``setsid`` is the larger
-part: with the scheduler's autogroups on (Linux's default), every new session
-is a new scheduling group, made and torn down per command. A process group of
+beside a busy vLLM server on two cores, concurrent ``echo`` commands took
+2-4x longer to spawn, run and reap that way than with asyncio's own spawn
+(measured with a throwaway script, not a benchmark of this repository; in
+``bench/rollout_vllm_bench.py`` our tool time per turn is still about 5x the
+peer's bare subprocess in most runs, the rest being elsewhere). ``setsid`` is the larger part: with the
+scheduler's autogroups on (Linux's default), every new session is a new
+scheduling group, made and torn down per command. A process group of
 its own (``process_group=0``, ``setpgid`` in the child; CPython's fast
 ``vfork`` spawn path is kept) gives the same thing the backend needs, one
 group to signal; the child stays in this process's session, so with a

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from policy_server import (
     PolicyServer,
@@ -341,6 +342,49 @@ async def test_concurrency_is_bounded(policy_server: PolicyServer, tmp_path: Pat
         stats = await _stream_all(pool, prompts(6))
     assert stats == 24
     assert peak == 3
+
+
+async def test_the_groups_of_free_slots_start_in_one_step(
+    policy_server: PolicyServer, tmp_path: Path
+) -> None:
+    # Episodes that may run at once start together, so that their first requests reach the
+    # server together and are batched together. Claimed one per trip through the event loop,
+    # they started one per loop iteration; beside a busy vLLM server an iteration took up to
+    # ~150 ms, and 16 episodes took 2 s to start (bench/rollout_vllm_bench.py). Counted in
+    # loop iterations here, not seconds: the same verdict on a fast or a slow machine.
+    iterations = 0
+    claimed_at: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal iterations
+        while True:
+            await anyio.lowlevel.checkpoint()
+            iterations += 1
+
+    model = policy_server.add("pool-burst", lambda turn: Reply("done"))
+    ledger = ResumeLedger(tmp_path / "ledger.json", num_prompts=20)
+    claim = ledger.claim
+
+    def counted_claim(count: int) -> list[int]:
+        claimed = claim(count)
+        claimed_at.extend([iterations] * len(claimed))
+        return claimed
+
+    ledger.claim = counted_claim  # type: ignore[method-assign]
+    async with (
+        local_dispatcher(tmp_path) as dispatcher,
+        policy_for(policy_server, model) as policy,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(ticker)
+        pool = RolloutPool(policy, dispatcher, n=2, concurrency=8)
+        async with pool.stream(prompts(20), ledger=ledger, groups_per_batch=20) as batches:
+            async for batch in batches:
+                assert len(batch) == 40
+        group.cancel_scope.cancel()
+    # 8 episodes at once, 2 per group: 4 groups running and one ahead, all claimed at once.
+    assert len(claimed_at) == 20
+    assert claimed_at[:5] == [claimed_at[0]] * 5, claimed_at
 
 
 async def _stream_all(pool: RolloutPool, items: list[Any]) -> int:

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from aiohttp import web
 from policy_server import local_dispatcher
@@ -249,6 +250,36 @@ async def test_an_episode_policy_refuses_a_conversation_it_did_not_extend(
     await episode.generate(PROMPT, [])
     with pytest.raises(PolicyError, match="only append"):
         await episode.generate([*PROMPT, {"role": "assistant", "content": "a"}], [])
+
+
+async def test_episodes_started_together_send_their_first_requests_together(
+    hermes: ChatTemplate,
+) -> None:
+    # Each first prompt is rendered before any is sent (one trip through the event loop
+    # between), so that a server sees them at once and prefills them in one step. Counted
+    # in prompts rendered when each request is sent: the same verdict on any machine.
+    rendered = 0
+    seen_at_send: list[int] = []
+
+    class Counting(ChatTemplate):
+        def prompt_ids(self, *args: Any, **kwargs: Any) -> list[int]:
+            nonlocal rendered
+            rendered += 1
+            return super().prompt_ids(*args, **kwargs)
+
+    class Recording(ScriptedSampler):
+        async def sample(
+            self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+        ) -> SampledTokens:
+            seen_at_send.append(rendered)
+            return await super().sample(prompt_ids, max_tokens=max_tokens)
+
+    template = Counting(hermes.tokenizer)
+    policy = TokenPolicy(Recording(template, ["a<|im_end|>"]), template)
+    async with anyio.create_task_group() as group:
+        for _ in range(4):
+            group.start_soon(policy.for_episode().generate, PROMPT, [])
+    assert seen_at_send == [4, 4, 4, 4]
 
 
 @contextlib.asynccontextmanager

@@ -39,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import orjson
 
@@ -161,6 +162,13 @@ class EpisodeTokens:
     ) -> AssistantTurn:
         policy = self._policy
         prompt = self._prompt(messages, tools)
+        if self._last is None:
+            # An episode's first request goes out after one trip through the event loop:
+            # the episodes a RolloutPool starts together render their prompts first, then
+            # send together, and the server prefills them in one step. Sent as each one is
+            # ready, 16 went out ~1 ms apart beside a busy vLLM server, were prefilled over
+            # several steps and stayed apart for the rest of the episode.
+            await anyio.lowlevel.checkpoint()
         sampled = await policy.sampler.sample(prompt, max_tokens=max_tokens)
         ids = [int(t) for t in sampled.token_ids]
         if len(sampled.logprobs) != len(ids):

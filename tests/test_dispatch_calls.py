@@ -363,12 +363,18 @@ async def test_call_many_runs_concurrently_in_order(pool: LocalBackend) -> None:
 
 
 async def test_one_failing_call_never_cancels_the_others(pool: LocalBackend) -> None:
-    dispatcher = Dispatcher(registry(), pool, default_timeout=0.3)
+    dispatcher = Dispatcher(registry(), pool, default_timeout=30)
+    # The third ends only once the first was killed at its timeout: it outlived that failure
+    # on a machine of any speed (both run in the sessionless scratch directory).
+    outlive = (
+        "while [ ! -s pid1 ]; do sleep 0.01; done; "
+        "while kill -0 $(cat pid1) 2>/dev/null; do sleep 0.01; done; echo survived"
+    )
     results = await dispatcher.call_many(
         [
-            ("exec", {"command": "sleep 5"}),  # times out
+            ("exec", {"command": "echo $$ > pid1; exec sleep 60", "timeout": 0.5}),
             ("exec", {"command": "exit 3"}),
-            ("exec", {"command": "sleep 0.2; echo survived"}),
+            ("exec", {"command": outlive}),
         ]
     )
     assert [r.error_type for r in results] == ["Timeout", "NonZeroExit", None]

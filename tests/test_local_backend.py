@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +13,9 @@ from pathlib import Path
 import anyio
 import pytest
 from proc_helpers import entries, rss_bytes, slow_local_disk, wait_dead
+from ssh_helpers import wait_until
 
+from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Command
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
@@ -20,11 +23,33 @@ from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
-@pytest.fixture
-async def host(tmp_path: Path) -> AsyncIterator[LocalHost]:
+@pytest.fixture(params=["pidfd", "asyncio"])
+async def host(
+    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[LocalHost]:
+    """A started local host; every test runs on both ways of spawning (local_process.py)."""
+    if request.param == "asyncio":  # where no pidfd can be had: asyncio's subprocess transport
+        monkeypatch.setattr(local_process, "_PIDFD", False)
+    elif not local_process.pidfd_supported():
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "this Linux has no pidfd_open (kernel 5.3+): the fast spawn path is untested"
+            )
+        pytest.skip("no pidfd_open here (kernel 5.3+)")
     config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
     async with LocalBackend(config) as backend:
         yield backend.host
+
+
+def require_pidfd() -> None:
+    if not local_process.pidfd_supported():
+        if os.environ.get("CI") == "true":
+            pytest.fail("no pidfd_open on this Linux (5.3+): the fast spawn path is untested")
+        pytest.skip("no pidfd_open here (kernel 5.3+)")
+
+
+def entries_of(path: Path) -> list[str]:
+    return os.listdir(path) if path.is_dir() else []
 
 
 def sh(line: str, timeout: float = 10.0, **kwargs: object) -> Command:
@@ -43,6 +68,33 @@ async def test_exit_status_stdout_and_stderr_are_kept_apart(host: LocalHost) -> 
     assert not result.timed_out
     assert result.host == "local"
     assert 0 < result.duration < 5
+
+
+async def test_commands_cost_no_thread_on_the_pidfd_path(tmp_path: Path) -> None:
+    # Python 3.11's asyncio waits for each child in a thread of its own; beside a busy
+    # server those threads fought the event loop for the GIL. With a pidfd, none is made.
+    require_pidfd()
+    config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
+    async with LocalBackend(config) as backend:
+        await commands_start_no_thread(backend.host, tmp_path)
+
+
+async def commands_start_no_thread(host: LocalHost, tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    before = set(threading.enumerate())
+    new: list[set[threading.Thread]] = []
+
+    async def running() -> None:
+        assert await wait_until(lambda: len(entries_of(marks)) == 8, within=20)
+        new.append(set(threading.enumerate()) - before)
+        group.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as group:
+        for i in range(8):
+            group.start_soon(host.run, sh(f"touch {marks}/{i}; sleep 30", timeout=40))
+        marks.mkdir()
+        group.start_soon(running)
+    assert new == [set()]
 
 
 async def test_argv_runs_without_a_shell(host: LocalHost) -> None:
@@ -329,8 +381,10 @@ async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: 
     await backend.start()
     host = backend.host
     workspaces = [await host.make_workspace() for _ in range(3)]
-    # three workspaces, the scratch directory and the owner lock (local_owner.py)
-    assert len(entries(root)) == 5
+    # Spares follow the most in use at once: three, made in the background.
+    assert await wait_until(lambda: len(host.spare_workspaces()) == 3, within=10)
+    # three workspaces, three spares, the scratch directory and the owner lock (local_owner.py)
+    assert len(entries(root)) == 8
     pid_file = tmp_path / "pid"
     errors: list[BaseException] = []
 

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from ssh_helpers import wait_until
 
 from agent_backend.backends import local_owner
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
@@ -128,6 +129,8 @@ async def test_a_workspace_left_at_close_is_swept_later(
     backend = LocalBackend(config)
     await backend.start()
     workspace = await backend.host.make_workspace()
+    # and its spare (one in use at most: one spare), made in the background
+    assert await wait_until(lambda: len(backend.host.spare_workspaces()) == 1, within=10)
 
     def refuse(path: str) -> None:
         raise PermissionError(13, "refused by the test", path)
@@ -135,12 +138,12 @@ async def test_a_workspace_left_at_close_is_swept_later(
     with monkeypatch.context() as patch:
         patch.setattr("agent_backend.backends.local.remove_tree", refuse)
         await backend.aclose()
-    # Left (with the scratch directory), and so is the owner's lock file, unlocked.
+    # Left (with the spare and the scratch directory), and so is the owner's lock file, unlocked.
     assert Path(workspace).is_dir()  # noqa: ASYNC240
     assert any(name.endswith(".lock") for name in names(root))
     swept = sweep_dead_owners(str(root))
     assert workspace in swept
-    assert len(swept) == 2
+    assert len(swept) == 3
     assert names(root) == []
 
 

@@ -16,12 +16,15 @@ start in the session workspace, or in a private scratch directory outside a
 session.
 
 This module must never block the event loop: file operations run in worker
-threads; and it must never leave a process, a pipe or a workspace behind
-after :meth:`LocalBackend.aclose`.
+threads (workspaces in those of
+:class:`~agent_backend.backends.local_workspaces.WorkspaceKeeper`, which also
+keeps spares made ahead); and it must never leave a process, a pipe or a
+workspace behind after :meth:`LocalBackend.aclose`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import errno
@@ -40,6 +43,7 @@ import pydantic
 
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
 from agent_backend.backends.local_process import ChildProcess, spawn
+from agent_backend.backends.local_workspaces import WorkspaceKeeper
 from agent_backend.dispatch.backend import (
     Backend,
     Command,
@@ -104,6 +108,9 @@ class LocalPoolConfig(pydantic.BaseModel):
     """The shell that runs command lines (``shell -c LINE``)."""
     kill_grace: float = pydantic.Field(default=2.0, gt=0, le=60)
     """Seconds between SIGTERM and SIGKILL when a call's process group is ended."""
+    spare_workspaces: int = pydantic.Field(default=64, ge=0, le=4096)
+    """Empty workspaces kept made ahead, as many as were ever in use at once but at most this
+    many, so that opening a session costs no disk operation. 0: each is made when asked for."""
 
     @pydantic.field_validator("workspace_root", "default_cwd")
     @classmethod
@@ -261,6 +268,7 @@ class LocalHost(Host):
         self._calls: set[anyio.CancelScope] = set()
         self._calls_done: anyio.Event | None = None
         self._scratch: str | None = None
+        self._keeper: WorkspaceKeeper | None = None
         self._started = False
         self._closing = False
         self._closed = anyio.Event()
@@ -318,6 +326,15 @@ class LocalHost(Host):
             raise BackendUnavailable(
                 f"cannot prepare the local workspace root: {exc}", backend="local", host=self.name
             ) from exc
+        if self._keeper is None:  # last: nothing after it can fail and leave its threads
+            # Looked up when called: tests slow them down to prove they are off the loop.
+            self._keeper = WorkspaceKeeper(
+                lambda: self._mkdtemp("spare"),
+                self._activate,
+                lambda path: remove_tree(path),
+                max_spares=self.config.spare_workspaces,
+                loop=asyncio.get_running_loop(),
+            )
         self._started = True
 
     def _mkdtemp(self, kind: str) -> str:
@@ -325,6 +342,16 @@ class LocalHost(Host):
         if owner is None:  # closed while the directory was being asked for
             raise PoolClosed("the local backend is closed")
         return os.path.realpath(tempfile.mkdtemp(prefix=owner.prefix(kind), dir=owner.root))
+
+    def _activate(self, spare: str) -> str:
+        """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``)."""
+        owner = self._owner
+        if owner is None:
+            raise PoolClosed("the local backend is closed")
+        head, name = os.path.split(spare)
+        path = os.path.join(head, owner.prefix("ws") + name.removeprefix(owner.prefix("spare")))
+        os.rename(spare, path)
+        return path
 
     async def aclose(self) -> None:
         """End every call in flight, then remove every workspace left; idempotent."""
@@ -346,6 +373,9 @@ class LocalHost(Host):
                     leftovers.append(self._scratch)
                 self._workspaces.clear()
                 self._scratch = None
+                if self._keeper is not None:
+                    keeper, self._keeper = self._keeper, None
+                    leftovers.extend(await keeper.aclose())  # its spares
                 complete = True
                 for path in leftovers:
                     try:
@@ -523,8 +553,9 @@ class LocalHost(Host):
             # Shielded so that a cancellation cannot lose a directory just made:
             # once tracked, it is removed by remove_workspace or at close.
             with anyio.CancelScope(shield=True):
-                path = await anyio.to_thread.run_sync(self._mkdtemp, "ws")
-                if self._closing:  # closed while the thread ran: do not leak it
+                assert self._keeper is not None
+                path = await self._keeper.take()
+                if self._closing:  # closed while it was being made: do not leak it
                     await anyio.to_thread.run_sync(remove_tree, path)
                     raise PoolClosed("the local backend is closed")
                 self._workspaces.add(path)
@@ -539,7 +570,11 @@ class LocalHost(Host):
         if path not in self._workspaces:
             return
         self._workspaces.discard(path)
-        await anyio.to_thread.run_sync(remove_tree, path)
+        keeper = self._keeper
+        if keeper is None:  # closing: remove it here
+            await anyio.to_thread.run_sync(remove_tree, path)
+            return
+        await keeper.remove(path)
 
     async def realpath(self, path: str) -> str:
         self._check_open()
@@ -562,6 +597,11 @@ class LocalHost(Host):
     def workspaces(self) -> frozenset[str]:
         """The workspaces made and not yet removed."""
         return frozenset(self._workspaces)
+
+    def spare_workspaces(self) -> frozenset[str]:
+        """Empty workspaces made ahead, not yet handed out (``spare_workspaces``); gone at close."""
+        keeper = self._keeper
+        return keeper.spare_paths() if keeper is not None else frozenset()
 
 
 class LocalBackend(Backend):

@@ -1,24 +1,35 @@
 """One command as a child process in its own process group, its output read as it arrives.
 
-The local backend's spawn and read, on asyncio's subprocess transport with a
-protocol of our own: stdout and stderr are fed into
-:class:`~agent_backend.dispatch.output.OutputBuffer` from the transport's
-callbacks, so a command costs no reader task, and its exit and the closing of
-its pipes are events to wait on.
+The local backend's spawn and read. stdout and stderr are fed into
+:class:`~agent_backend.dispatch.output.OutputBuffer` from event-loop
+callbacks, so a command costs no reader task; its exit and the closing of its
+pipes are events to wait on.
 
-Why not ``anyio.open_process(start_new_session=True)``, which this replaced:
-beside a busy vLLM server on two cores, concurrent ``echo`` commands took
-2-4x longer to spawn, run and reap that way than with asyncio's own spawn
-(measured with a throwaway script, not a benchmark of this repository; in
-``bench/rollout_vllm_bench.py`` our tool time per turn is still about 5x the
-peer's bare subprocess in most runs, the rest being elsewhere). ``setsid`` is the larger part: with the
-scheduler's autogroups on (Linux's default), every new session is a new
-scheduling group, made and torn down per command. A process group of
-its own (``process_group=0``, ``setpgid`` in the child; CPython's fast
-``vfork`` spawn path is kept) gives the same thing the backend needs, one
-group to signal; the child stays in this process's session, so with a
-terminal it is in a background group there (a command reading ``/dev/tty`` is
-stopped by ``SIGTTIN`` and ends at its timeout).
+**No thread per command.** On Linux (``os.pidfd_open``, kernel 5.3+) the
+child is started with :class:`subprocess.Popen` and watched through a pidfd
+registered with the event loop: readable when the child exits, then reaped
+with ``waitpid(WNOHANG)``; its pipes are non-blocking descriptors read by
+``add_reader`` callbacks. Python 3.11's asyncio instead starts a thread per
+child to wait for it (``ThreadedChildWatcher``), and connects each pipe in a
+transport of its own. Beside a busy vLLM server on two cores, those threads
+fought the event loop for the GIL: in ``bench/rollout_vllm_bench.py`` at 64
+concurrent episodes, starting an ``echo`` took 58 ms on average that way.
+Where no pidfd can be had (another OS, an older kernel, a sandbox refusing the
+call), asyncio's own subprocess transport is used, with the same interface.
+
+Reaping the child ourselves also means its pid cannot be reused while we
+still hold it: signalling the leader (or its group, whose id is its pid)
+before the reap can never hit another process.
+
+Why a process group and not ``start_new_session``: with the scheduler's
+autogroups on (Linux's default), every new session is a new scheduling group,
+made and torn down per command, and concurrent commands took 2-4x longer to
+spawn, run and reap beside a busy server (measured with a throwaway script).
+A group of its own (``process_group=0``, ``setpgid`` in the child; CPython's
+fast ``vfork`` spawn path is kept) gives the backend what it needs, one group
+to signal; the child stays in this process's session, so with a terminal it
+is in a background group there (a command reading ``/dev/tty`` is stopped by
+``SIGTTIN`` and ends at its timeout).
 
 asyncio only, as the rest of the backends (asyncssh, aiohttp) are.
 """
@@ -26,14 +37,216 @@ asyncio only, as the rest of the backends (asyncssh, aiohttp) are.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import IO, Protocol
 
 import anyio
 
 from agent_backend.dispatch.output import OutputBuffer
 
-__all__ = ["ChildProcess", "spawn"]
+__all__ = ["ChildProcess", "pidfd_supported", "spawn"]
+
+logger = logging.getLogger("agent_backend.backends.local")
+
+_READ_SIZE = 256 * 1024  # as asyncio's pipe transports read
+_PIDFD: bool | None = None  # probed once: can this process open pidfds?
+
+
+def pidfd_supported() -> bool:
+    """Whether children can be watched through pidfds here (probed once per process)."""
+    global _PIDFD
+    if _PIDFD is None:
+        try:
+            fd = os.pidfd_open(os.getpid())
+        except (AttributeError, OSError):
+            _PIDFD = False
+        else:
+            os.close(fd)
+            _PIDFD = True
+    return _PIDFD
+
+
+class ChildProcess(Protocol):
+    """A spawned command: wait for its exit, then for its pipes; :meth:`close` always."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit code (negative: the signal), once the leader is reaped."""
+
+    async def wait_exit(self) -> int | None:
+        """Until the leader has exited and is reaped: its returncode (None if reaped elsewhere)."""
+
+    async def wait_pipes_closed(self) -> None:
+        """Until stdout and stderr are closed: the command and all it started let go of them."""
+
+    def feed_stdin(self, data: bytes) -> None:
+        """Write ``data`` to the command's stdin (in the background), then close it."""
+
+    def close(self) -> None:
+        """Close the pipes (a leader still running is killed, and reaped when it dies); idempotent."""
+
+
+# -- on Linux: a pidfd and non-blocking pipes on the event loop --------------------------------------
+
+
+class _PidfdChild:
+    def __init__(
+        self,
+        popen: subprocess.Popen[bytes],
+        loop: asyncio.AbstractEventLoop,
+        stdout: OutputBuffer,
+        stderr: OutputBuffer,
+    ) -> None:
+        self.pid: int = popen.pid
+        self._popen = popen
+        self._loop = loop
+        self._exited = anyio.Event()
+        self._pipes_closed = anyio.Event()
+        self._reaped_elsewhere = False
+        self._code: int | None = None
+        self._pidfd = -1
+        self._readers: dict[int, tuple[IO[bytes], OutputBuffer]] = {}
+        self._stdin: tuple[IO[bytes], memoryview] | None = None
+        self._writing = False
+        self._watching = False
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+            for file, buffer in ((popen.stdout, stdout), (popen.stderr, stderr)):
+                assert file is not None
+                fd = file.fileno()
+                os.set_blocking(fd, False)
+                self._readers[fd] = (file, buffer)
+                loop.add_reader(fd, self._on_readable, fd)
+            loop.add_reader(self._pidfd, self._on_exit)
+            self._watching = True
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def returncode(self) -> int | None:
+        return self._code
+
+    # Not waited on once set: anyio's Event.wait() yields to the event loop even then, and
+    # beside a busy server every trip through the loop costs milliseconds.
+
+    async def wait_exit(self) -> int | None:
+        if not self._exited.is_set():
+            await self._exited.wait()
+        return self._code
+
+    async def wait_pipes_closed(self) -> None:
+        if not self._pipes_closed.is_set():
+            await self._pipes_closed.wait()
+
+    def _on_readable(self, fd: int) -> None:
+        entry = self._readers.get(fd)
+        if entry is None:
+            return
+        try:
+            data = os.read(fd, _READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            entry[1].feed(data)
+        else:
+            self._close_reader(fd)
+
+    def _close_reader(self, fd: int) -> None:
+        file, _ = self._readers.pop(fd)
+        self._loop.remove_reader(fd)
+        file.close()
+        if not self._readers:
+            self._pipes_closed.set()
+
+    def _on_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # someone else reaped it (a waitpid(-1) of other code)
+            pid, status = self.pid, -1
+            self._reaped_elsewhere = True
+        if pid == 0:  # not yet (a spurious wake-up)
+            return
+        self._loop.remove_reader(self._pidfd)
+        self._watching = False
+        os.close(self._pidfd)
+        self._pidfd = -1
+        if self._reaped_elsewhere:
+            logger.warning("pid %d was reaped by other code: its exit status is lost", self.pid)
+        else:
+            self._code = os.waitstatus_to_exitcode(status)
+        # Popen gets a returncode too: it must not poll (or warn about) a pid it no longer owns.
+        self._popen.returncode = self._code if self._code is not None else -1
+        self._exited.set()
+
+    def feed_stdin(self, data: bytes) -> None:
+        file = self._popen.stdin
+        if file is None or self._stdin is not None:
+            return
+        os.set_blocking(file.fileno(), False)
+        self._stdin = (file, memoryview(data))
+        self._write_stdin()
+
+    def _write_stdin(self) -> None:
+        if self._stdin is None:
+            return
+        file, rest = self._stdin
+        fd = file.fileno()
+        try:
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+        except (BlockingIOError, InterruptedError):  # the pipe is full: on when it drains
+            self._stdin = (file, rest)
+            if not self._writing:
+                self._writing = True
+                self._loop.add_writer(fd, self._write_stdin)
+            return
+        except OSError:  # the command closed its stdin (EPIPE): it stopped reading
+            pass
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
+        if self._stdin is None:
+            return
+        file, _ = self._stdin
+        self._stdin = None
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(file.fileno())
+        file.close()
+
+    def close(self) -> None:
+        for fd in list(self._readers):
+            self._close_reader(fd)
+        self._pipes_closed.set()
+        self._close_stdin()
+        if self._popen.stdin is not None:
+            self._popen.stdin.close()
+        if self._exited.is_set():
+            return
+        # Not reaped, so the pid is still ours to signal.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        if not self._watching:  # failed before the pidfd was watched: reap it here
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
+            with contextlib.suppress(ChildProcessError):
+                self._code = self._popen.wait()
+            self._exited.set()
+        # Otherwise the pidfd reader stays registered and reaps the leader when it dies.
+
+
+# -- elsewhere: asyncio's subprocess transport -------------------------------------------------------
 
 
 class _Protocol(asyncio.SubprocessProtocol):
@@ -60,9 +273,7 @@ class _Protocol(asyncio.SubprocessProtocol):
         self.exited.set()
 
 
-class ChildProcess:
-    """A spawned command: wait for its exit, then for its pipes; :meth:`close` always."""
-
+class _AsyncioChild:
     def __init__(self, transport: asyncio.SubprocessTransport, protocol: _Protocol) -> None:
         self._transport = transport
         self._protocol = protocol
@@ -72,18 +283,16 @@ class ChildProcess:
     def returncode(self) -> int | None:
         return self._transport.get_returncode()
 
-    async def wait_exit(self) -> int:
-        await self._protocol.exited.wait()
-        code = self._transport.get_returncode()
-        assert code is not None
-        return code
+    async def wait_exit(self) -> int | None:
+        if not self._protocol.exited.is_set():
+            await self._protocol.exited.wait()
+        return self._transport.get_returncode()
 
     async def wait_pipes_closed(self) -> None:
-        """Until stdout and stderr are closed: the command and all it started let go of them."""
-        await self._protocol.pipes_closed.wait()
+        if not self._protocol.pipes_closed.is_set():
+            await self._protocol.pipes_closed.wait()
 
     def feed_stdin(self, data: bytes) -> None:
-        """Write ``data`` to the command's stdin (buffered by the transport), then close it."""
         pipe = self._transport.get_pipe_transport(0)
         if not isinstance(pipe, asyncio.WriteTransport):
             return
@@ -92,7 +301,6 @@ class ChildProcess:
         pipe.write_eof()
 
     def close(self) -> None:
-        """Close the pipes and the transport (a leader still running is killed); idempotent."""
         self._transport.close()
 
 
@@ -111,11 +319,26 @@ async def spawn(
     (``OSError``, ``ValueError``).
     """
     loop = asyncio.get_running_loop()
+    stdin_mode = subprocess.PIPE if stdin else subprocess.DEVNULL
+    if pidfd_supported():
+        # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
+        popen = subprocess.Popen(  # noqa: ASYNC220
+            list(argv),
+            bufsize=0,
+            stdin=stdin_mode,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=dict(env),
+            process_group=0,
+            close_fds=True,
+        )
+        return _PidfdChild(popen, loop, stdout, stderr)
     protocol = _Protocol(stdout, stderr)
     transport, _ = await loop.subprocess_exec(
         lambda: protocol,
         *argv,
-        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdin=stdin_mode,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=cwd,
@@ -123,4 +346,4 @@ async def spawn(
         process_group=0,
         close_fds=True,
     )
-    return ChildProcess(transport, protocol)
+    return _AsyncioChild(transport, protocol)

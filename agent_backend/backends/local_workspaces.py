@@ -1,0 +1,261 @@
+"""A local backend's workspace directories, made and removed by a few threads of their own.
+
+Making and removing a directory tree are disk operations, so they do not run
+on the event loop (on a slow or stalled disk a ``mkdir`` can take seconds,
+PITFALLS 14). But a thread hop per operation, from the shared worker-thread
+pool, costs more than the operation when many sessions open and close at
+once: at 64 concurrent episodes beside a vLLM server on two cores, up to 64
+worker threads fought the event loop for the GIL, and making a workspace took
+165 ms, removing one 258 ms, on average (``bench/rollout_vllm_bench.py``).
+So a :class:`WorkspaceKeeper` has :data:`THREADS` threads that take the jobs
+from one queue, and keeps **spares** made ahead:
+
+* a spare is an empty directory with a spare's name
+  (``agent-backend-spare-<token>-*``): nothing mistakes it for a session's
+  workspace, or for one left behind;
+* :meth:`WorkspaceKeeper.take` renames a spare to its workspace name, on the
+  caller's thread: one ``rename`` in the same directory, the one disk
+  operation left on the event loop, and no thread hop; with no spare left, the
+  caller waits for a thread to make one;
+* the threads top the spares back up when they have nothing else to do, to
+  the most workspaces ever in use at once (at most ``max_spares``): a
+  rollout's next step finds as many ready as its last one used;
+* :meth:`WorkspaceKeeper.remove` waits until the tree is gone, so a closed
+  session has left nothing on disk.
+
+The jobs go in order: callers waiting for a workspace, then removals, then
+spares. Spares left by a process that died are removed, with its workspaces,
+by the next backend to start in the root
+(:mod:`~agent_backend.backends.local_owner`).
+
+asyncio only: the threads hand results back with ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+
+from agent_backend.errors import PoolClosed
+
+__all__ = ["THREADS", "WorkspaceKeeper"]
+
+logger = logging.getLogger("agent_backend.backends.local")
+
+THREADS = 4
+"""Enough for a slow disk to serve several sessions at once; few enough not to fight the loop."""
+
+
+class WorkspaceKeeper:
+    """Spare workspaces, waiting callers and pending removals; its threads serve them."""
+
+    def __init__(
+        self,
+        make: Callable[[], str],
+        activate: Callable[[str], str],
+        remove: Callable[[str], None],
+        *,
+        max_spares: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """``make`` makes a spare; ``activate`` renames one to its workspace name, and returns it."""
+        self._make = make
+        self._activate = activate
+        self._remove = remove
+        self._max_spares = max_spares
+        self._loop = loop
+        self._lock = threading.Condition()
+        self._spares: collections.deque[str] = collections.deque()
+        self._waiting: collections.deque[asyncio.Future[str]] = collections.deque()
+        # A removal's future is None for a workspace whose caller gave up before it came.
+        self._removals: collections.deque[tuple[str, asyncio.Future[None] | None]] = (
+            collections.deque()
+        )
+        self._making = 0  # spares being made by a thread right now
+        self._in_use = 0
+        self._target = 0  # spares to keep: the most in use at once, at most max_spares
+        self._closing = False
+        self._ended = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"agent-backend-workspaces-{i}", daemon=True)
+            for i in range(THREADS)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def spares(self) -> int:
+        """Workspaces made ahead, ready to be taken."""
+        with self._lock:
+            return len(self._spares)
+
+    def spare_paths(self) -> frozenset[str]:
+        """The spares' paths (empty directories with a spare's name)."""
+        with self._lock:
+            return frozenset(self._spares)
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for a thread to make their workspace."""
+        with self._lock:
+            return len(self._waiting)
+
+    @property
+    def running(self) -> bool:
+        """Whether any of its threads is still running (until :meth:`aclose` ends them)."""
+        return any(thread.is_alive() for thread in self._threads)
+
+    # -- the event loop's side ----------------------------------------------------------------------
+
+    async def take(self) -> str:
+        """A new, empty workspace: a spare, or one a thread makes now. Raises its ``OSError``."""
+        with self._lock:
+            if self._closing:
+                raise PoolClosed("the local backend is closed")
+            self._in_use += 1
+            self._target = min(self._max_spares, max(self._target, self._in_use))
+            spare = self._spares.popleft() if self._spares else None
+            self._lock.notify()  # to make up for it, or to make this one
+            if spare is None:
+                future: asyncio.Future[str] = self._loop.create_future()
+                self._waiting.append(future)
+        try:
+            if spare is not None:
+                try:
+                    return self._activate(spare)
+                except OSError as exc:  # gone (removed from outside?): a thread makes one
+                    logger.warning("spare workspace %s unusable (%s): making one", spare, exc)
+                    future = self._loop.create_future()
+                    with self._lock:
+                        self._waiting.append(future)
+                        self._lock.notify()
+            return await future
+        except BaseException:
+            with self._lock:
+                self._in_use -= 1
+            raise
+
+    async def remove(self, path: str) -> None:
+        """Remove the workspace ``path`` (taken from here) and wait until it is gone.
+
+        Raises :class:`~agent_backend.errors.PoolClosed` once :meth:`aclose` has ended the threads.
+        """
+        if self._ended:
+            raise PoolClosed("the local backend is closed")
+        future: asyncio.Future[None] = self._loop.create_future()
+        with self._lock:
+            self._in_use -= 1
+            self._removals.append((path, future))
+            self._lock.notify()
+        await future
+
+    def _hand_over(
+        self, future: asyncio.Future[str], path: str | None, error: BaseException | None
+    ) -> None:
+        """In the loop: give a made workspace (or the error) to a waiting caller."""
+        if future.cancelled():  # the caller gave up: removed in the background
+            if path is not None:
+                with self._lock:
+                    self._removals.append((path, None))
+                    self._lock.notify()
+            return
+        if path is not None:
+            future.set_result(path)
+        else:
+            assert error is not None
+            future.set_exception(error)
+
+    @staticmethod
+    def _finish(future: asyncio.Future[None] | None, error: BaseException | None) -> None:
+        if future is None:
+            if error is not None:
+                logger.warning("could not remove a workspace nobody took: %s", error)
+            return
+        if future.cancelled():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    # -- the threads' side --------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                while True:
+                    if self._waiting:
+                        job: Any = ("make", self._waiting.popleft())
+                        break
+                    if self._removals:
+                        job = ("remove", self._removals.popleft())
+                        break
+                    if self._closing:
+                        return
+                    if len(self._spares) + self._making < self._target:
+                        self._making += 1
+                        job = ("spare", None)
+                        break
+                    self._lock.wait()
+            kind, item = job
+            # Exception, not OSError only: whatever fails goes to the caller (or the log);
+            # a thread that died would leave its callers waiting forever.
+            if kind == "remove":
+                path, done = item
+                try:
+                    self._remove(path)
+                except Exception as exc:
+                    self._loop.call_soon_threadsafe(self._finish, done, exc)
+                else:
+                    self._loop.call_soon_threadsafe(self._finish, done, None)
+                continue
+            try:
+                path = self._make()
+                if kind == "make":  # for a caller waiting now
+                    path = self._activate(path)
+            except Exception as exc:
+                if kind == "make":
+                    self._loop.call_soon_threadsafe(self._hand_over, item, None, exc)
+                else:
+                    with self._lock:
+                        self._making -= 1
+                        self._target = 0  # no more spares until the disk takes them again
+                    logger.warning("could not make a spare workspace: %s", exc)
+                continue
+            if kind == "make":
+                self._loop.call_soon_threadsafe(self._hand_over, item, path, None)
+            else:
+                with self._lock:
+                    self._making -= 1
+                    self._spares.append(path)
+
+    async def aclose(self) -> list[str]:
+        """Stop the threads (after the pending removals); return the directories left to remove.
+
+        Idempotent. Callers still waiting are refused. Shield it: it waits for the threads.
+        """
+        with self._lock:
+            self._closing = True
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            self._lock.notify_all()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(PoolClosed("the local backend is closed"))
+        for thread in self._threads:
+            await anyio.to_thread.run_sync(thread.join)
+        # What the threads handed over before they ended has run by now (call_soon_threadsafe
+        # is first in, first out); a workspace whose caller gave up was queued for removal
+        # then, after the threads ended: it is returned with the spares.
+        self._ended = True
+        with self._lock:
+            left = [*self._spares, *(path for path, _ in self._removals)]
+            self._spares.clear()
+            self._removals.clear()
+        return left

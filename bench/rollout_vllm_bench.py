@@ -758,6 +758,9 @@ async def run_bench(
             f"   (p99 {r.overhead_p99_ms:.3f} ms)"
         )
     for r in results:
+        ratios = ", ".join(f"{p.wall / o.wall:.2f}" for o, p in zip(r.ours, r.peer, strict=True))
+        print(f"info  each round's ratio at {r.concurrency} (the figure is their median): {ratios}")
+    for r in results:
         ours_cpu = statistics.fmean(o.cpu for o in r.ours) / r.episodes * 1000
         peer_cpu = statistics.fmean(p.cpu for p in r.peer) / r.episodes * 1000
         print(
@@ -789,7 +792,7 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="2 rounds per side and concurrency")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per side and concurrency")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per side and concurrency")
     parser.add_argument(
         "--peer-http",
         choices=("aiohttp", "httpx"),

@@ -13,11 +13,16 @@ Every call carries an ``Idempotency-Key``; a retry (after a connection error,
 a 429 with ``Retry-After``, or a 503) sends the same key, so the daemon runs
 the call once and hands the retry the first result. Failures come back as
 the same exception classes as in-process (:func:`agent_backend.wire.error_from_wire`),
-and an unreachable daemon as :class:`~agent_backend.errors.BackendUnavailable`.
+and an unreachable daemon as :class:`~agent_backend.errors.BackendUnavailable`:
+aiohttp's exceptions are translated here and never reach the caller.
 
-Requests to an ``http://`` daemon go through :class:`~agent_backend.http11.HTTP11Transport`
-(a lean HTTP/1.1 keep-alive transport: with it a call costs the client about
-a third of the CPU it does on httpx's default one); ``https://`` through httpx's own.
+The HTTP client is one :class:`aiohttp.ClientSession` per :class:`Client`
+(keep-alive pool, bounded connections), created on first use on the event
+loop that uses it; asyncio only, as aiohttp is. Idle connections are kept
+for less than uvicorn's 5 s keep-alive, so a request rarely lands on one the
+daemon is closing; when it does, the request is sent again only when that
+is safe: an idempotent method, or a POST with the key the daemon honours.
+How long to wait between attempts is :func:`agent_backend.retry.retry_delay`.
 
 :class:`SyncClient` is the same client for code without an event loop.
 This module must never retry without the idempotency key, never retry a
@@ -34,16 +39,16 @@ import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal, Self
 
+import aiohttp
 import anyio
 import anyio.from_thread
-import httpx
 import orjson
+from yarl import URL
 
-from agent_backend.backoff import backoff_delay
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
-from agent_backend.http11 import HTTP11Transport
 from agent_backend.lifecycle import AsyncResource, SyncResource
+from agent_backend.retry import RETRY_AFTER_STATUSES, parse_retry_after, retry_delay
 from agent_backend.tokens import find_token
 from agent_backend.wire import (
     API_PREFIX,
@@ -61,11 +66,11 @@ __all__ = ["DEFAULT_URL", "Client", "RemoteSession", "SyncClient", "SyncSession"
 DEFAULT_URL: Final = "http://127.0.0.1:8765"
 URL_ENV: Final = "AGENT_BACKEND_URL"
 
-_IDEMPOTENCY_HEADER = IDEMPOTENCY_HEADER.encode()
-# Safe to retry with the same key: refused before running (429 RateLimited, 503).
-_RETRY_STATUSES = frozenset({429, 503})
-# The longest Retry-After honoured; beyond it the error is raised.
-_MAX_RETRY_AFTER = 30.0
+# RFC 9110 9.2.2: requests a client may send again when the connection failed.
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# Below uvicorn's default keep-alive (5 s): an idle connection is dropped here first.
+_KEEPALIVE = 4.0
+_JSON = "application/json"
 _Format = Literal["openai", "anthropic", "mcp"]
 
 
@@ -89,46 +94,6 @@ def _wire_call(call: CallLike, index: int) -> dict[str, Any]:
     return wire
 
 
-class _Cookies(httpx.Cookies):
-    """httpx's cookie jar, minus the cost of looking for cookies in answers that set none.
-
-    httpx hands every response to :mod:`http.cookiejar` through adapter objects,
-    which costs more CPU than parsing the response (bench/daemon_bench.py);
-    the daemon sets no cookies, but a proxy in front of it may, and those are kept.
-    """
-
-    def extract_cookies(self, response: httpx.Response) -> None:
-        if "set-cookie" in response.headers:
-            super().extract_cookies(response)
-
-
-class _AsyncClient(httpx.AsyncClient):
-    """``httpx.AsyncClient`` with :class:`_Cookies` as its jar."""
-
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
-        self._jar = _Cookies(options.get("cookies"))
-
-    @property
-    def cookies(self) -> httpx.Cookies:
-        return self._jar
-
-    @cookies.setter
-    def cookies(self, cookies: Any) -> None:
-        self._jar = _Cookies(cookies)
-
-
-def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None
-    return seconds if 0 <= seconds <= _MAX_RETRY_AFTER else None
-
-
 class Client(AsyncResource):
     """The daemon's API as the :class:`Dispatcher`'s: ``call``, ``call_many``, ``session()``.
 
@@ -149,45 +114,36 @@ class Client(AsyncResource):
         connect_timeout: float = 5.0,
         read_timeout: float | None = 900.0,
         max_connections: int = 100,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         """
         Args:
             retries: attempts after the first, for connection errors, 429 and 503.
             backoff: seconds before the first retry; doubled each time (with jitter).
-            read_timeout: seconds to wait for an answer; a call runs up to its tool's
-                timeout, so keep this above the daemon's ``max_timeout``.
+            max_backoff: the longest wait between attempts, a server's ``Retry-After`` included.
+            connect_timeout: seconds to open a TCP connection to the daemon.
+            read_timeout: seconds to wait for an answer (and for a free connection);
+                a call runs up to its tool's timeout, so keep this above the daemon's
+                ``max_timeout``.
             max_connections: connections to the daemon open at once (more calls wait).
-            transport: an httpx transport (tests); default: :class:`HTTP11Transport` for
-                an ``http://`` URL, httpx's own for ``https://``.
         """
         if retries < 0 or backoff < 0 or max_backoff < 0:
             raise ValueError("retries, backoff and max_backoff must not be negative")
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
         self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
         token = token if token is not None else find_token()
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        limits = httpx.Limits(
-            max_connections=max_connections, max_keepalive_connections=max_connections
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, connect=read_timeout, sock_connect=connect_timeout, sock_read=read_timeout
         )
-        if transport is None and self.url.startswith("http://"):
-            transport = HTTP11Transport(max_connections=max_connections)
-        self._http = _AsyncClient(
-            base_url=self.url,
-            headers=headers,
-            timeout=httpx.Timeout(read_timeout, connect=connect_timeout),
-            limits=limits,
-            transport=transport,
-        )
-        # httpx's defaults that say nothing to the daemon (it never compresses, and
-        # HTTP/1.1 keeps connections alive anyway); every header costs httpx CPU per request.
-        for name in ("Accept", "Accept-Encoding", "Connection"):
-            del self._http.headers[name]
-        # Absolute URLs for the fixed routes: httpx re-parses a relative one on every request.
+        self._max_connections = max_connections
+        self._http: aiohttp.ClientSession | None = None
+        # Parsed once: building a URL costs more than most of a request's other steps.
         self._urls = {
-            path: httpx.URL(self.url + path)
+            path: URL(self.url + path)
             for path in (
                 f"{API_PREFIX}/call",
                 f"{API_PREFIX}/batch",
@@ -206,16 +162,49 @@ class Client(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        with anyio.CancelScope(shield=True):
-            await self._http.aclose()
+        if self._http is not None:
+            with anyio.CancelScope(shield=True):
+                await self._http.close()
 
     def is_closed(self) -> bool:
         return self._closed
 
     # -- requests -----------------------------------------------------------------------------------
 
-    def _delay(self, attempt: int) -> float:
-        return backoff_delay(attempt + 1, first=self.backoff, ceiling=self.max_backoff)
+    def _session(self) -> aiohttp.ClientSession:
+        """The HTTP session, created on first use: aiohttp binds it to the running loop."""
+        if self._closed:
+            raise PoolClosed("the client is closed")
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=self._timeout,
+                # Keep cookies a proxy in front of the daemon sets, also when it is named by IP.
+                cookie_jar=aiohttp.CookieJar(unsafe=True),
+                connector=aiohttp.TCPConnector(
+                    limit=self._max_connections, keepalive_timeout=_KEEPALIVE
+                ),
+            )
+        return self._http
+
+    def _unreachable(self, exc: BaseException) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"cannot reach the daemon at {self.url}: {type(exc).__name__}: {exc}",
+            backend="daemon",
+            host=self.url,
+        )
+
+    async def _send(
+        self,
+        method: str,
+        url: URL,
+        content: bytes | None,
+        headers: Mapping[str, str] | None,
+    ) -> tuple[int, bytes, str | None]:
+        """One attempt: status, body and ``Retry-After``; aiohttp's errors pass through."""
+        async with self._session().request(method, url, data=content, headers=headers) as response:
+            body = await response.read()
+            return response.status, body, response.headers.get("Retry-After")
 
     async def _request(
         self,
@@ -225,53 +214,59 @@ class Client(AsyncResource):
         body: object = None,
         key: str | None = None,
         params: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        if self._closed:
-            raise PoolClosed("the client is closed")
-        headers: list[tuple[bytes, bytes]] = []  # raw: httpx normalizes str headers again
+    ) -> bytes:
+        """The answer's body after retries; a refusal raises its error class."""
+        url = self._urls.get(path) or URL(self.url + path)
+        if params:
+            url = url.with_query(params)
+        headers: dict[str, str] | None = None
         content = None
         if body is not None:
             content = _dumps(body)
-            headers.append((b"Content-Type", b"application/json"))
+            headers = {"Content-Type": _JSON}
         if key is not None:
-            headers.append((_IDEMPOTENCY_HEADER, key.encode()))
+            headers = headers or {}
+            headers[IDEMPOTENCY_HEADER] = key
+        # A request that may have reached the daemon is sent again only when that is safe.
+        resendable = method in _IDEMPOTENT_METHODS or (
+            key is not None and method == "POST" and path.startswith(API_PREFIX + "/")
+        )
         attempt = 0
         while True:
+            refused: int | None = None  # the status of a refusal worth a retry
+            retry_after = None
             try:
-                response = await self._http.request(
-                    method,
-                    self._urls.get(path, path),
-                    content=content,
-                    headers=headers,
-                    params=params,
-                )
-            except httpx.TransportError as exc:
-                if attempt >= self.retries or (key is None and method == "POST"):
-                    raise BackendUnavailable(
-                        f"cannot reach the daemon at {self.url}: {type(exc).__name__}: {exc}",
-                        backend="daemon",
-                        host=self.url,
-                    ) from None
-                delay = self._delay(attempt)
+                status, answer, retry_after = await self._send(method, url, content, headers)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                if attempt >= self.retries or not resendable:
+                    raise self._unreachable(exc) from None
             else:
-                if response.status_code < 400:
-                    return response
-                retry_after = _retry_after(response)
-                retriable = response.status_code in _RETRY_STATUSES and (
-                    response.status_code != 429 or retry_after is not None
+                if status < 400:
+                    return answer
+                # 429 without Retry-After (too many sessions) will not clear by waiting.
+                retriable = status in RETRY_AFTER_STATUSES and (
+                    status != 429 or parse_retry_after(retry_after) is not None
                 )
                 if not retriable or attempt >= self.retries:
-                    raise self._error(response)
-                delay = retry_after if retry_after is not None else self._delay(attempt)
+                    raise self._error(status, answer)
+                refused = status
             attempt += 1
-            await anyio.sleep(delay)
+            await anyio.sleep(
+                retry_delay(
+                    attempt,
+                    first=self.backoff,
+                    ceiling=self.max_backoff,
+                    status=refused,
+                    retry_after=retry_after,
+                )
+            )
 
-    def _error(self, response: httpx.Response) -> AgentBackendError:
+    def _error(self, status: int, answer: bytes) -> AgentBackendError:
         try:
-            body = response.json()
+            body = json.loads(answer)
         except ValueError:
             body = None
-        return error_from_wire(body, status=response.status_code)
+        return error_from_wire(body, status=status)
 
     # -- the Dispatcher's calls ---------------------------------------------------------------------
 
@@ -289,10 +284,10 @@ class Client(AsyncResource):
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
-        response = await self._request(
+        answer = await self._request(
             "POST", f"{API_PREFIX}/call", body=body, key=idempotency_key or uuid.uuid4().hex
         )
-        return ToolResult.model_validate_json(response.content)
+        return ToolResult.model_validate_json(answer)
 
     async def call_many(
         self,
@@ -308,10 +303,10 @@ class Client(AsyncResource):
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
-        response = await self._request(
+        answer = await self._request(
             "POST", f"{API_PREFIX}/batch", body=body, key=idempotency_key or uuid.uuid4().hex
         )
-        return BatchResponse.model_validate_json(response.content).results
+        return BatchResponse.model_validate_json(answer).results
 
     def session(self) -> RemoteSession:
         """A new session on the daemon: ``async with client.session() as session``."""
@@ -319,20 +314,20 @@ class Client(AsyncResource):
 
     async def tools(self, format: _Format = "openai") -> list[dict[str, Any]]:
         """The daemon's tool list, in the shape ``format``'s API expects."""
-        response = await self._request("GET", f"{API_PREFIX}/tools", params={"format": format})
-        return ToolsResponse.model_validate_json(response.content).tools
+        answer = await self._request("GET", f"{API_PREFIX}/tools", params={"format": format})
+        return ToolsResponse.model_validate_json(answer).tools
 
     async def ready(self) -> Readiness:
         """The daemon's readiness (not an error when it is not ready)."""
         try:
-            response = await self._http.get(self._urls[f"{API_PREFIX}/health/ready"])
-        except httpx.TransportError as exc:
-            raise BackendUnavailable(
-                f"cannot reach the daemon at {self.url}: {exc}", backend="daemon", host=self.url
-            ) from None
-        if response.status_code in (200, 503):
-            return Readiness.model_validate_json(response.content)
-        raise self._error(response)
+            status, answer, _ = await self._send(
+                "GET", self._urls[f"{API_PREFIX}/health/ready"], None, None
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._unreachable(exc) from None
+        if status in (200, 503):
+            return Readiness.model_validate_json(answer)
+        raise self._error(status, answer)
 
 
 class RemoteSession(AsyncResource):
@@ -371,10 +366,10 @@ class RemoteSession(AsyncResource):
     async def open(self) -> None:
         if self._state != "new":
             raise PoolClosed(f"a session can be opened once (it is {self._state})")
-        response = await self.client._request(
+        answer = await self.client._request(
             "POST", f"{API_PREFIX}/sessions", body={}, key=uuid.uuid4().hex
         )
-        info = SessionInfo.model_validate_json(response.content)
+        info = SessionInfo.model_validate_json(answer)
         self.id, self.host, self.workspace = info.id, info.host, info.workspace
         self._state = "open"
 

@@ -7,9 +7,8 @@ import uuid
 from typing import Any
 
 import anyio
-import httpx
 import pytest
-from daemon_fixtures import TALLY, Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
+from daemon_fixtures import Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
 
 from agent_backend import errors
 from agent_backend.client import Client, SyncClient
@@ -123,41 +122,6 @@ async def test_429_is_retried_after_retry_after_and_then_raised() -> None:
                 await impatient.call(("echo", {"value": "x"}))
     assert limited.value.retry_after == 1
     assert limited.value.status == 429
-
-
-class DropFirstResponse(httpx.AsyncBaseTransport):
-    """Sends each request; for the first POST, throws the answer away and reports a lost connection."""
-
-    def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
-        self.keys: list[str | None] = []
-        self.dropped = False
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        if request.method == "POST":
-            self.keys.append(request.headers.get("idempotency-key"))
-            if not self.dropped:
-                self.dropped = True
-                await response.aread()
-                await response.aclose()
-                raise httpx.RemoteProtocolError("connection lost", request=request)
-        return response
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-async def test_a_retry_reuses_the_idempotency_key_so_the_tool_runs_once(daemon: Daemon) -> None:
-    transport = DropFirstResponse()
-    key = uuid.uuid4().hex
-    async with Client(daemon.url, token=daemon.token, transport=transport, backoff=0.01) as client:
-        result = await client.call(("tally", {"key": key}))
-    assert transport.dropped
-    assert len(transport.keys) == 2
-    assert transport.keys[0] == transport.keys[1] is not None
-    assert result.output == "1"
-    assert TALLY[key] == 1
 
 
 def test_sync_client(daemon: Daemon) -> None:

@@ -1,10 +1,32 @@
-"""The one backoff rule of every retry loop: doubling from ``first``, capped, half jitter."""
+"""The one retry rule of every HTTP retry loop: Retry-After on 429/503 (capped), else jittered backoff.
+
+The pure functions first, then both users of :func:`agent_backend.retry.retry_delay`
+(the daemon's :class:`~agent_backend.Client` and the rollouts'
+:class:`~agent_backend.rollout.server_client.PolicyServerClient`) against a
+real aiohttp server on 127.0.0.1 that refuses the first request with a
+``Retry-After``.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import email.utils
 import random
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp.web
+import anyio
+import orjson
+import pytest
 
 from agent_backend.backoff import backoff_delay
+from agent_backend.client import Client
+from agent_backend.dispatch import ToolResult
+from agent_backend.retry import parse_retry_after, retry_delay
+from agent_backend.rollout.server_client import PolicyServerClient
+
+NOW = 1_800_000_000.0
 
 
 def test_doubles_per_retry_within_half_jitter_and_caps() -> None:
@@ -18,3 +40,122 @@ def test_doubles_per_retry_within_half_jitter_and_caps() -> None:
 def test_jitter_spreads_callers() -> None:
     delays = {backoff_delay(3, first=1.0, ceiling=60.0) for _ in range(50)}
     assert len(delays) > 40
+
+
+def test_retry_after_is_seconds_or_an_http_date() -> None:
+    assert parse_retry_after("2") == 2.0
+    assert parse_retry_after(" 0 ") == 0.0
+    assert parse_retry_after("1.5") == 1.5
+    assert parse_retry_after(email.utils.formatdate(NOW + 30, usegmt=True), now=NOW) == 30.0
+    assert parse_retry_after(email.utils.formatdate(NOW - 30, usegmt=True), now=NOW) == 0.0
+    assert parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now=784111777 - 10) == 10.0
+    for unreadable in (None, "", "soon", "-1", "nan", "inf", "Sun, 06 Nov 1994 08:49:37"):
+        assert parse_retry_after(unreadable, now=NOW) is None, unreadable
+
+
+def test_retry_after_wins_on_429_and_503_capped_by_the_ceiling() -> None:
+    assert retry_delay(1, first=10.0, ceiling=20.0, status=429, retry_after="0") == 0.0
+    assert retry_delay(1, first=10.0, ceiling=20.0, status=503, retry_after="3") == 3.0
+    assert retry_delay(4, first=0.1, ceiling=5.0, status=503, retry_after="3600") == 5.0
+    date = email.utils.formatdate(time.time() + 3600, usegmt=True)
+    assert retry_delay(1, first=0.1, ceiling=2.0, status=429, retry_after=date) == 2.0
+
+
+def test_other_answers_and_connection_errors_back_off() -> None:
+    rng = random.Random(3)
+    for status, header in ((None, None), (500, "0"), (502, "0"), (503, "later"), (429, None)):
+        delay = retry_delay(3, first=1.0, ceiling=60.0, status=status, retry_after=header, rng=rng)
+        assert 2.0 <= delay < 4.0, (status, header)
+
+
+# -- both clients, against a server that refuses first ----------------------------------------------
+
+
+class Refusing:
+    """Answers the first request of each path ``status`` with ``Retry-After``, the rest 200."""
+
+    def __init__(self, status: int, retry_after: str, ok_body: bytes) -> None:
+        self.status = status
+        self.retry_after = retry_after
+        self.ok_body = ok_body
+        self.arrivals: list[float] = []
+
+    async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        self.arrivals.append(time.monotonic())
+        if len(self.arrivals) == 1:
+            return aiohttp.web.Response(
+                status=self.status, headers={"Retry-After": self.retry_after}, body=b"{}"
+            )
+        return aiohttp.web.Response(body=self.ok_body, content_type="application/json")
+
+
+@contextlib.asynccontextmanager
+async def serve(refusing: Refusing) -> AsyncIterator[str]:
+    app = aiohttp.web.Application()
+    app.router.add_post("/{tail:.*}", refusing.handle)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def policy_client(url: str, *, backoff: float, max_backoff: float) -> PolicyServerClient:
+    return PolicyServerClient(
+        url + "/v1/chat/completions",
+        model="m",
+        api_key=None,
+        timeout=10.0,
+        max_retries=2,
+        backoff=backoff,
+        max_backoff=max_backoff,
+        client=None,
+        temperature=1.0,
+        top_p=None,
+        max_tokens=None,
+        extra_body=None,
+    )
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("status", [429, 503])
+async def test_the_policy_client_waits_what_the_server_asks(status: int) -> None:
+    refusing = Refusing(status, "1", b'{"ok": 1}')
+    async with serve(refusing) as url, policy_client(url, backoff=0.0, max_backoff=10.0) as client:
+        with anyio.fail_after(10):
+            assert await client._post(b"{}") == {"ok": 1}
+        assert client.statistics().retries == 1
+    waited = refusing.arrivals[1] - refusing.arrivals[0]
+    assert 0.9 <= waited < 5, waited
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_policy_client_caps_retry_after_at_its_max_backoff() -> None:
+    refusing = Refusing(503, "3600", b'{"ok": 1}')
+    async with serve(refusing) as url, policy_client(url, backoff=0.0, max_backoff=0.3) as client:
+        with anyio.fail_after(10):
+            assert await client._post(b"{}") == {"ok": 1}
+    waited = refusing.arrivals[1] - refusing.arrivals[0]
+    assert 0.25 <= waited < 3, waited
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_client_reads_an_http_date_and_skips_its_backoff() -> None:
+    result = ToolResult(call_id="c", tool="echo", ok=True, output="late")
+    past = email.utils.formatdate(time.time() - 60, usegmt=True)  # "retry now"
+    refusing = Refusing(503, past, orjson.dumps(result.model_dump()))
+    async with (
+        serve(refusing) as url,
+        Client(url, token="t" * 20, backoff=30.0, max_backoff=60.0) as client,
+    ):
+        with anyio.fail_after(10):  # a backoff of 30 s would overrun this
+            answer = await client.call(("echo", {"value": "late"}))
+    assert answer.output == "late"
+    assert len(refusing.arrivals) == 2

@@ -4,9 +4,10 @@
 :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy` (chat completions)
 and :class:`~agent_backend.rollout.tokens.VLLMTokenSampler` (completions with
 token-id prompts). It posts JSON to one endpoint: HTTP 5xx, 408, 425, 429,
-connection errors and timeouts are retried with exponential backoff and
-jitter a bounded number of times (the project's one backoff helper); other
-4xx are not. Each attempt is bounded by a client-side timeout. Bodies are
+connection errors and timeouts are retried a bounded number of times, after
+the server's ``Retry-After`` on a 429 or 503 (capped by ``max_backoff``), else
+after exponential backoff with jitter (:func:`agent_backend.retry.retry_delay`,
+shared with the daemon's client); other 4xx are not. Each attempt is bounded by a client-side timeout. Bodies are
 parsed with the standard parser, which reads ``NaN`` literals, so that a
 non-finite logprob is seen where it arrives and handled (PITFALLS 21).
 
@@ -34,9 +35,9 @@ from typing import Any
 import aiohttp
 import anyio
 
-from agent_backend.backoff import backoff_delay
 from agent_backend.errors import PolicyError, clip
 from agent_backend.lifecycle import AsyncResource
+from agent_backend.retry import retry_delay
 
 __all__ = ["PolicyServerClient", "PolicyStatistics", "v1_url"]
 
@@ -191,22 +192,36 @@ class PolicyServerClient(AsyncResource):
                     retryable=False,
                 ) from None
 
-    def _delay(self, retry: int) -> float:
-        return backoff_delay(retry, first=self.backoff, ceiling=self.max_backoff, rng=self._random)
+    def _delay(
+        self, retry: int, status: int | None = None, retry_after: str | None = None
+    ) -> float:
+        """Seconds before retry ``retry``: the last answer's ``Retry-After``, else backoff."""
+        return retry_delay(
+            retry,
+            first=self.backoff,
+            ceiling=self.max_backoff,
+            status=status,
+            retry_after=retry_after,
+            rng=self._random,
+        )
 
     async def _post(self, payload: bytes) -> Any:
         last: PolicyError | None = None
+        retry_after: str | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self._retries += 1
-                await anyio.sleep(self._delay(attempt))
+                refused = last.status if last is not None else None
+                await anyio.sleep(self._delay(attempt, refused, retry_after))
             self._requests += 1
+            retry_after = None
             try:
                 with anyio.fail_after(self.timeout):
                     async with self._session().post(
                         self.url, data=payload, headers=self._headers
                     ) as response:
                         status, body = response.status, await response.read()
+                        retry_after = response.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 what = (
                     "timed out"

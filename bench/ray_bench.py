@@ -42,7 +42,7 @@ import ray
 
 from agent_backend import Dispatcher, ToolCall, ToolRegistry
 from agent_backend.backends.ray import RayBackend, RayPoolConfig
-from agent_backend.backends.ray_payload import PayloadRef, checksum
+from agent_backend.backends.ray.payload import PayloadRef, checksum
 
 MB = 1024 * 1024
 OBJECT_STORE = 4 * 1024 * MB

@@ -58,7 +58,7 @@ def ray_cluster(request: pytest.FixtureRequest) -> RayCluster:
     """
     ray = require_ray()
     if not _started:
-        from agent_backend.backends.ray_runtime import loopback_only
+        from agent_backend.backends.ray.runtime import loopback_only
 
         loopback_only()  # the test cluster listens on 127.0.0.1 only
         ray.init(

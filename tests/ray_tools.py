@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from agent_backend.backends.ray_payload import checksum
+from agent_backend.backends.ray.payload import checksum
 
 IMPORTS = time.time()  # set once per actor process, when the tools are loaded
 _running = 0

@@ -20,7 +20,7 @@ ray = require_ray()
 
 from agent_backend import Client, Dispatcher, ToolCall, ToolRegistry  # noqa: E402
 from agent_backend.backends.ray import RayBackend  # noqa: E402
-from agent_backend.backends.ray_payload import PayloadRef, checksum  # noqa: E402
+from agent_backend.backends.ray.payload import PayloadRef, checksum  # noqa: E402
 from agent_backend.daemon import DaemonSettings  # noqa: E402
 from agent_backend.daemon.background import run_in_thread  # noqa: E402
 from agent_backend.dispatch import builtin_tools  # noqa: E402

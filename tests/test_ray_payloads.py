@@ -20,7 +20,7 @@ from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, wait
 ray = require_ray()
 
 from agent_backend.backends.ray import RayBackend  # noqa: E402
-from agent_backend.backends.ray_payload import (  # noqa: E402
+from agent_backend.backends.ray.payload import (  # noqa: E402
     PayloadInfo,
     PayloadRef,
     checksum,

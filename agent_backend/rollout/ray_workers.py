@@ -48,8 +48,7 @@ import ray
 import ray.exceptions
 
 from agent_backend.backends.ray import RayPoolConfig
-from agent_backend.backends.ray_actors import ActorSet, Replica
-from agent_backend.backends.ray_runtime import (
+from agent_backend.backends.ray.runtime import (
     ACTOR_DEATHS,
     CONNECTION,
     actor_options,
@@ -57,6 +56,7 @@ from agent_backend.backends.ray_runtime import (
     describe_cause,
     describe_when_ready,
 )
+from agent_backend.backends.ray.supervisor import ActorSet, Replica
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
     BackendUnavailable,

@@ -46,7 +46,6 @@ from agent_backend.errors import PayloadLost
 from agent_backend.lifecycle import AsyncResource, SyncResource
 
 __all__ = [
-    "INLINE_FLOOR",
     "PayloadInfo",
     "PayloadRef",
     "checksum",
@@ -56,11 +55,6 @@ __all__ = [
     "restore_payloads",
     "split_payloads",
 ]
-
-#: Ray returns objects below this size inside the task reply, into the
-#: caller's own memory (``max_direct_call_object_size``): a by-reference
-#: threshold below it would put the bytes in the driver after all.
-INLINE_FLOOR: Final = 100 * 1024
 
 #: Containers are walked this deep for sizes and checksums; deeper levels count as opaque.
 _MAX_DEPTH: Final = 32

@@ -13,8 +13,8 @@ errors when they pickle, everything else as
 (type, message, HTTP status, traceback). So an exception that holds a lock,
 a socket or aiohttp's header proxies can never break the boundary (PITFALLS 16).
 
-This module must never import the driver side (``backends.ray``): it is
-what Ray imports on every node.
+This module must never hold driver state or import the driver's modules
+itself (``backend``, ``supervisor``): it is what Ray imports on every node.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import anyio
 import anyio.to_thread
 import ray
 
-from agent_backend.backends.ray_payload import (
+from agent_backend.backends.ray.payload import (
     describe_payload,
     payload_size,
     restore_payloads,

@@ -8,7 +8,7 @@ least-loaded live actor; when all are busy it waits in a FIFO queue, and the
 wait counts against the call's timeout.
 
 Results at or above ``inline_limit`` bytes stay in the object store and come
-back as a :class:`~agent_backend.backends.ray_payload.PayloadRef` owned by
+back as a :class:`~agent_backend.backends.ray.payload.PayloadRef` owned by
 the driver (see that module for ownership and lifetime); smaller ones come
 back inline.
 
@@ -37,20 +37,19 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 import anyio
 import anyio.abc
 import anyio.to_thread
-import pydantic
 import ray
 import ray.exceptions
 
 from agent_backend.backends._errors import map_exceptions
-from agent_backend.backends.ray_actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
-from agent_backend.backends.ray_actors import ActorSet, Replica
-from agent_backend.backends.ray_payload import INLINE_FLOOR, PayloadRef, contains_payloads
-from agent_backend.backends.ray_runtime import (
+from agent_backend.backends.ray.actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
+from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
+from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
+from agent_backend.backends.ray.runtime import (
     ACTOR_DEATHS,
     CONNECTION,
     actor_options,
@@ -59,6 +58,7 @@ from agent_backend.backends.ray_runtime import (
     describe_when_ready,
     render_resources,
 )
+from agent_backend.backends.ray.supervisor import ActorSet, Replica
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,
@@ -76,158 +76,10 @@ from agent_backend.errors import (
 )
 from agent_backend.tools.tool import Tool
 
-__all__ = [
-    "LocalRayConfig",
-    "PayloadRef",
-    "RayActorInfo",
-    "RayBackend",
-    "RayPoolConfig",
-    "RayResult",
-    "RayStatistics",
-    "RayToolConfig",
-]
+__all__ = ["RayActorInfo", "RayBackend", "RayResult", "RayStatistics"]
 
-_IMPORT_PATH: Final = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
-_RESOURCE_NAME: Final = r"^[A-Za-z_][\w.:/-]*$"
 #: Ray concurrency slots an actor keeps beyond ``max_concurrency``: its death sentinel and describe().
 _CONTROL_SLOTS: Final = 2
-
-
-def _check_gpus(value: float) -> float:
-    if value > 1 and not float(value).is_integer():
-        raise ValueError("a fraction of a GPU must be below 1 (Ray shares one GPU, never several)")
-    return value
-
-
-GPUs = Annotated[float, pydantic.Field(ge=0), pydantic.AfterValidator(_check_gpus)]
-Resources = dict[
-    Annotated[str, pydantic.StringConstraints(pattern=_RESOURCE_NAME)],
-    Annotated[float, pydantic.Field(ge=0)],
-]
-
-
-def _no_builtin_resources(value: dict[str, float]) -> dict[str, float]:
-    for name in ("CPU", "GPU", "memory", "object_store_memory"):
-        if name in value:
-            raise ValueError(f"{name!r} is not a custom resource: use its own key")
-    return value
-
-
-class RayToolConfig(pydantic.BaseModel):
-    """One tool of a Ray pool: a Python function and what it needs."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    function: str = pydantic.Field(pattern=_IMPORT_PATH)
-    """Import path ``package.module:function`` (``module:Class.method`` for a static method),
-    importable where the actors run (installed, or shipped with ``runtime_env``). Sync or async;
-    its schema comes from its signature and docstring. Imported once per actor."""
-    name: str | None = None
-    """The tool's name; None: the function's ``__name__``."""
-    num_cpus: float = pydantic.Field(default=0, ge=0)
-    """CPUs a call needs its actor to have; a call no actor can satisfy fails at dispatch."""
-    num_gpus: GPUs = 0
-    """GPUs (fractions allowed) a call needs its actor to have; checked like ``num_cpus``."""
-    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
-        pydantic.Field(default_factory=dict)
-    )
-    """Custom Ray resources a call needs its actor to have (``{accelerator_A100 = 1}``)."""
-    idempotent: bool = False
-    """True when running a call twice is harmless: a call whose actor died is then retried once
-    on another actor instead of failing with ``WorkerLost``."""
-
-    def needs(self) -> dict[str, float]:
-        needed = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return {name: amount for name, amount in needed.items() if amount > 0}
-
-
-def _tool_entry(value: object) -> object:
-    return {"function": value} if isinstance(value, str) else value
-
-
-class LocalRayConfig(pydantic.BaseModel):
-    """The Ray this pool starts when it has no ``address`` (and none runs in this process)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    num_cpus: int | None = pydantic.Field(default=None, ge=1)
-    """Logical CPUs of the local node; None: the machine's cores."""
-    num_gpus: int | None = pydantic.Field(default=None, ge=0)
-    """Logical GPUs of the local node; None: the GPUs Ray detects. Set it on a machine without
-    a GPU to try a GPU pool (placement and ``ray.get_gpu_ids()`` work; CUDA does not)."""
-    object_store_memory: int | None = pydantic.Field(default=None, ge=75 * 1024 * 1024)
-    """Bytes of shared memory for the object store (payloads live there); None: Ray's default,
-    30% of the machine's memory. Size it above the payloads alive at once, or Ray spills to disk."""
-    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
-        pydantic.Field(default_factory=dict)
-    )
-    """Custom resources the local node advertises."""
-
-
-class RayPoolConfig(pydantic.BaseModel):
-    """A pool of Ray actors running Python tools (``type = "ray"``)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    type: Literal["ray"] = "ray"
-    """Selects the Ray backend."""
-    name: str = pydantic.Field(default="ray", pattern=r"^[A-Za-z0-9_.-]{1,40}$")
-    """Names the pool's actors (``NAME-REPLICA.GENERATION``) in errors, logs and ``ray list``."""
-    address: str | None = pydantic.Field(default=None, min_length=1)
-    """The cluster to join: ``"auto"`` (the one started on this machine by ``ray start``),
-    ``"HOST:PORT"`` (its GCS) or ``"ray://HOST:10001"`` (Ray Client); never shut down by the
-    pool. None: a local Ray is started. A connection pools opened is shared by the process's
-    pools and closed (disconnected; a local Ray stopped) when the last of them closes. When
-    this process was already connected to Ray by other code, that connection is used and kept."""
-    local: LocalRayConfig = pydantic.Field(default_factory=LocalRayConfig)
-    """How to start the local Ray when ``address`` is None."""
-    num_cpus: float = pydantic.Field(default=1, ge=0)
-    """CPUs reserved by each actor (fractions allowed)."""
-    num_gpus: GPUs = 0
-    """GPUs reserved by each actor: fractions below 1 share a GPU (0.5: two actors per GPU),
-    whole numbers give each actor its own. Inside, ``ray.get_gpu_ids()`` and
-    ``CUDA_VISIBLE_DEVICES`` name the GPUs granted."""
-    resources: Annotated[Resources, pydantic.AfterValidator(_no_builtin_resources)] = (
-        pydantic.Field(default_factory=dict)
-    )
-    """Custom Ray resources reserved by each actor."""
-    replicas: int = pydantic.Field(default=1, ge=1, le=1024)
-    """How many actors: calls are spread over them, least-loaded first."""
-    max_concurrency: int = pydantic.Field(default=1, ge=1, le=1000)
-    """Calls one actor runs at once; more wait in the pool's queue (counting against their
-    timeout). Sync tools run in the actor's threads, async ones on its event loop."""
-    runtime_env: dict[str, Any] | None = None
-    """Ray ``runtime_env`` of the actors (``pip``, ``working_dir``, ``py_modules``,
-    ``env_vars``...): how the tools' code reaches a cluster's nodes."""
-    tools: tuple[Annotated[RayToolConfig, pydantic.BeforeValidator(_tool_entry)], ...] = (
-        pydantic.Field(min_length=1)
-    )
-    """The tools every actor hosts: import paths ``"module:function"``, or tables with
-    ``function`` and any of ``name``, ``num_cpus``, ``num_gpus``, ``resources``, ``idempotent``."""
-    inline_limit: int = pydantic.Field(default=1024 * 1024, ge=INLINE_FLOOR)
-    """Results of at least this many bytes (arrays, tensors, bytes, str, and containers of them)
-    stay in the object store and come back as a ``PayloadRef``; smaller ones come back inline.
-    At least 100 KiB: below that Ray copies objects into the caller's memory anyway."""
-    call_timeout: float = pydantic.Field(default=300.0, gt=0)
-    """Default seconds for a call (queueing, a retry and the tool's run), over which it fails
-    with ``ToolTimeout`` and its Ray task is cancelled."""
-    start_timeout: float = pydantic.Field(default=120.0, gt=0)
-    """Seconds for the actors to start (runtime env set-up, tool imports) at ``start()`` and
-    for each replacement."""
-    max_restarts: int = pydantic.Field(default=3, ge=0)
-    """Replacements per replica after its actor dies; after that the replica stays dead and the
-    pool serves with the rest (with none left, calls fail with ``BackendUnavailable``)."""
-    autoscaling: bool = False
-    """True when the cluster adds nodes on demand: actors it cannot hold yet are waited for
-    (up to ``start_timeout``). False: a pool whose actors do not fit the cluster's total
-    resources fails at start with ``ResourceUnavailable`` instead of waiting."""
-    log_to_driver: bool = True
-    """Show the actors' stdout and stderr in this process (when this pool connects to Ray)."""
-
-    def actor_resources(self) -> dict[str, float]:
-        """What each actor reserves, in Ray's resource names."""
-        held = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
-        return {name: amount for name, amount in held.items() if amount > 0}
 
 
 # -- mapping Ray's errors ---------------------------------------------------------------------------

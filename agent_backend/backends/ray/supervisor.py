@@ -28,7 +28,7 @@ import anyio.abc
 import anyio.to_thread
 import ray
 
-from agent_backend.backends.ray_runtime import describe_cause, kill_actors
+from agent_backend.backends.ray.runtime import describe_cause, kill_actors
 from agent_backend.errors import AgentBackendError
 
 __all__ = ["ActorSet", "ActorState", "Replica"]

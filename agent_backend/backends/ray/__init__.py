@@ -1,0 +1,31 @@
+"""The Ray kit: Python tools on a pool of Ray actors, and what the Ray rollout workers build on.
+
+Modules:
+
+* :mod:`~agent_backend.backends.ray.config`: :class:`RayPoolConfig` (``type = "ray"``), pure data.
+* :mod:`~agent_backend.backends.ray.backend`: :class:`RayBackend`, the tool pool.
+* :mod:`~agent_backend.backends.ray.actor`: what runs inside each tool actor.
+* :mod:`~agent_backend.backends.ray.supervisor`: the replicas of a pool of actors, their faults.
+* :mod:`~agent_backend.backends.ray.runtime`: this process's connection to Ray, actor placement.
+* :mod:`~agent_backend.backends.ray.payload`: :class:`PayloadRef`, results by reference.
+
+The names below are the public surface; the rollout workers
+(:mod:`agent_backend.rollout.ray_workers`) use only these.
+"""
+
+from __future__ import annotations
+
+from agent_backend.backends.ray.backend import RayActorInfo, RayBackend, RayResult, RayStatistics
+from agent_backend.backends.ray.config import LocalRayConfig, RayPoolConfig, RayToolConfig
+from agent_backend.backends.ray.payload import PayloadRef
+
+__all__ = [
+    "LocalRayConfig",
+    "PayloadRef",
+    "RayActorInfo",
+    "RayBackend",
+    "RayPoolConfig",
+    "RayResult",
+    "RayStatistics",
+    "RayToolConfig",
+]

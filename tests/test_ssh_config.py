@@ -138,7 +138,7 @@ def test_from_config_builds_one_host_per_entry() -> None:
     assert backend.hosts[0].name == "u@10.0.0.1:2222"
     assert (
         repr(backend.hosts[0])
-        == "<SSHPool 10.0.0.1:2222 [leases: 0 active, 0 queued | conns: 0 open, 0 idle]>"
+        == "<SSHHost 10.0.0.1:2222 [leases: 0 active, 0 queued | conns: 0 open, 0 idle]>"
     )
     assert not backend.is_closed()
     with pytest.raises(ConfigError):

@@ -23,8 +23,8 @@ from ssh_helpers import (
 from sshd import SSHServer
 from tcp_proxy import TCPProxy
 
-from agent_backend.backends import ssh as ssh_module
 from agent_backend.backends.ssh import SSHHostConfig, SSHPoolConfig
+from agent_backend.backends.ssh import pool as ssh_pool
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import (
     AgentBackendError,
@@ -320,7 +320,7 @@ async def test_max_sessions_exhausted_retries_and_lowers_capacity(
     """sshd MaxSessions 2, pool misconfigured to 4 channels: refusals are retried, capacity learned
     for a while (sshd also refuses transiently, when it has not yet freed closed sessions).
     PITFALLS 13."""
-    monkeypatch.setattr(ssh_module, "_CAPACITY_COOLDOWN", 5.0)
+    monkeypatch.setattr(ssh_pool, "CAPACITY_COOLDOWN", 5.0)
     server = sshd_factory(max_sessions=2)
     async with backend_for(
         server, max_channels_per_connection=4, max_connections=1, retry_backoff=0.02
@@ -339,13 +339,13 @@ async def test_max_sessions_exhausted_retries_and_lowers_capacity(
         stats = host.statistics()
         assert stats.channel_refusals >= 1
         (connection,) = host.connections()
-        assert host._table.capacity_of(connection) <= 2
+        assert host.pool.table.capacity_of(connection) <= 2
         # After the cooldown, the next release restores the configured capacity.
         assert connection.restore_at is not None
         connection.restore_at = time.monotonic()
         with anyio.fail_after(10):
             await host.run(Command(argv=("true",), timeout=5))
-        assert host._table.capacity_of(connection) == 4
+        assert host.pool.table.capacity_of(connection) == 4
 
 
 async def test_max_sessions_exhausted_without_retries_fails_typed(

@@ -170,7 +170,7 @@ async def test_channel_cap_and_connection_growth(sshd: SSHServer) -> None:
         assert stats.calls == 15
         assert (
             repr(host)
-            == f"<SSHPool 127.0.0.1:{sshd.port} [leases: 0 active, 0 queued | conns: 2 open, 2 idle]>"
+            == f"<SSHHost 127.0.0.1:{sshd.port} [leases: 0 active, 0 queued | conns: 2 open, 2 idle]>"
         )
 
 
@@ -273,14 +273,14 @@ async def test_stale_and_foreign_release_raise(sshd: SSHServer) -> None:
             await host.run(Command(argv=("true",), timeout=5))
         (connection,) = host.connections()
         owner = object()
-        lease = host._table.acquire(owner)
+        lease = host.pool.table.acquire(owner)
         assert lease is not None
         with pytest.raises(LeaseError):
-            host._release(Lease(connection, lease.token, object()))
+            host.pool.release(Lease(connection, lease.token, object()))
         assert host.statistics().leases_active == 1
-        host._release(lease)
+        host.pool.release(lease)
         with pytest.raises(LeaseError):
-            host._release(lease)
+            host.pool.release(lease)
         assert host.statistics().connections_open == 1  # nothing was closed by the bad releases
 
 

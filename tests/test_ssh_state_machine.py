@@ -40,7 +40,8 @@ from hypothesis.stateful import (
 from ssh_helpers import backend_for, kill_leftovers, processes_matching, unique_duration
 from sshd import SSHServer
 
-from agent_backend.backends.ssh import SSHBackend, SSHHost, _Connection
+from agent_backend.backends.ssh import SSHBackend, SSHHost
+from agent_backend.backends.ssh.channel import SSHConnection
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import AgentBackendError, PoolClosed, WorkerLost
 
@@ -93,14 +94,14 @@ class SSHPoolMachine(RuleBasedStateMachine):
 
     def _watch_closes(self) -> None:
         host = self.host
-        original: Callable[[_Connection], Coroutine[Any, Any, None]] = host._close_connection
+        original: Callable[[SSHConnection], Coroutine[Any, Any, None]] = host.pool.connector.close
 
-        async def checked_close(connection: _Connection) -> None:
-            if host._table.leases_of(connection) != 0:
+        async def checked_close(connection: SSHConnection) -> None:
+            if host.pool.table.leases_of(connection) != 0:
                 self.closed_while_leased.append(connection.serial)
             await original(connection)
 
-        host._close_connection = checked_close  # type: ignore[method-assign]
+        host.pool.connector.close = checked_close  # type: ignore[method-assign]
 
     def _start_call(self, seconds: float, timeout: float) -> None:
         outcome = Outcome(timeout)
@@ -216,7 +217,7 @@ class SSHPoolMachine(RuleBasedStateMachine):
         stats = self.host.statistics()
         assert stats.connections_open + stats.connections_connecting <= 2
         for connection in self.host.connections():
-            assert self.host._table.leases_of(connection) <= CAPACITY
+            assert self.host.pool.table.leases_of(connection) <= CAPACITY
             assert not connection.lost
 
     def _assert_nothing_open(self) -> None:

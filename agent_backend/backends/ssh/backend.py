@@ -1,0 +1,140 @@
+"""The SSH backend: a pool of SSH hosts, their lifecycle under one supervisor task.
+
+Stopping (:meth:`SSHBackend.aclose`) first marks every host closing (no
+connector starts, a connector that finishes closes its connection instead of
+adding it), ends the calls in flight (their remote processes are killed),
+cancels background work, then closes every connection, once. The one
+connection it may still open is a single short one per host to remove
+workspaces and kill orphans when no pooled connection is left.
+
+This module must never leave background work running after ``aclose()``, nor
+start a pool connection after stop began.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import ClassVar, Literal
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from agent_backend.backends.ssh.config import SSHHostConfig, SSHPoolConfig, SSHStatistics
+from agent_backend.backends.ssh.host import SSHHost
+from agent_backend.dispatch.backend import Backend
+from agent_backend.errors import ConfigError, PoolClosed, PoolError
+
+__all__ = ["SSHBackend"]
+
+
+class SSHBackend(Backend):
+    """A pool of SSH hosts: ``async with SSHBackend.from_config(cfg) as backend:``."""
+
+    kind: ClassVar[str] = "ssh"
+
+    def __init__(self, hosts: Sequence[SSHHostConfig], *, close_timeout: float = 10.0) -> None:
+        if not hosts:
+            raise ConfigError(
+                "an SSH pool needs at least one host", key="hosts", expected="one or more hosts"
+            )
+        self._hosts = tuple(SSHHost(config) for config in hosts)
+        self._close_timeout = close_timeout
+        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
+        self._stop = anyio.Event()
+        self._closed = anyio.Event()
+        self._supervisor: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_config(cls, config: SSHPoolConfig) -> SSHBackend:
+        return cls(config.hosts, close_timeout=config.close_timeout)
+
+    @property
+    def hosts(self) -> Sequence[SSHHost]:
+        return self._hosts
+
+    def is_closed(self) -> bool:
+        return self._state in ("closing", "closed")
+
+    def statistics(self) -> SSHStatistics:
+        return SSHStatistics(
+            hosts=tuple(h.statistics() for h in self._hosts), closed=self.is_closed()
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = " closed" if s.closed else ""
+        return (
+            f"<SSHBackend {len(self._hosts)} hosts [leases: {s.leases_active} active,"
+            f" {s.leases_queued} queued | conns: {s.connections_open} open, {s.connections_idle} idle]{state}>"
+        )
+
+    async def start(self) -> None:
+        if self._state != "new":
+            if self.is_closed():
+                raise PoolClosed("the SSH backend is closed")
+            raise PoolError("the SSH backend is already started")
+        self._state = "starting"
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[anyio.abc.TaskGroup] = loop.create_future()
+        # Background work (connectors, reaper, probes) runs in a task group owned
+        # by one supervisor task, so aclose() may be called from any task and
+        # any cancel scope; aclose() stops it and waits for it: nothing outlives it.
+        self._supervisor = loop.create_task(self._supervise(ready), name="agent-backend ssh pool")
+        tg = await ready
+        for host in self._hosts:
+            await host._start(tg)
+        if self._state == "starting":
+            self._state = "open"
+
+    async def _supervise(self, ready: asyncio.Future[anyio.abc.TaskGroup]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                ready.set_result(tg)
+                await self._stop.wait()
+                # Let tasks spawned just before stop start first (each then sees the
+                # pool closing and ends), so that none is cancelled before it ran.
+                for _ in range(1000):
+                    if not any(host.pool.unstarted for host in self._hosts):
+                        break
+                    await anyio.lowlevel.checkpoint()
+                tg.cancel_scope.cancel()
+        finally:
+            if not ready.done():
+                ready.cancel()
+
+    async def aclose(self) -> None:
+        """End calls in flight, stop background work, close every connection; idempotent."""
+        if self._state == "closed":
+            return
+        if self._state == "closing":
+            await self._closed.wait()
+            return
+        self._state = "closing"
+        failure: BaseException | None = None
+        try:
+            with anyio.CancelScope(shield=True):
+                for host in self._hosts:
+                    host._begin_close()
+                with anyio.move_on_after(self._close_timeout):
+                    for host in self._hosts:
+                        await host._wait_calls()
+                self._stop.set()
+                supervisor = self._supervisor
+                if supervisor is not None:
+                    with anyio.move_on_after(self._close_timeout):
+                        await asyncio.wait({supervisor})
+                    if not supervisor.done():
+                        supervisor.cancel()
+                        await asyncio.wait({supervisor})
+                    if not supervisor.cancelled() and supervisor.exception() is not None:
+                        failure = supervisor.exception()
+                async with anyio.create_task_group() as closers:
+                    for host in self._hosts:
+                        closers.start_soon(host._shutdown)
+        finally:
+            self._state = "closed"
+            self._closed.set()
+        if failure is not None:
+            raise failure

@@ -1,0 +1,539 @@
+"""One SSH host: commands and files over its :class:`~.pool.ConnectionPool`.
+
+A call takes a lease (a channel slot on one connection), opens a channel, and
+waits for the command to end, its deadline, a cancellation or the pool's stop;
+in the last three cases every remote process of the call is ended (TERM,
+grace, KILL: sshd "signal" plus ``kill`` of every process carrying the call's
+token), then the channel is closed. Commands of a lost connection keep running
+under sshd (no pty, no SIGHUP); they are killed by token over the next
+connection ("orphans").
+
+This module must never leave a remote process of a timed-out or cancelled call
+running, let an asyncssh exception reach a caller, or remove a path it did not
+make as a workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import getpass
+import itertools
+import logging
+import secrets
+import shlex
+import time
+from collections.abc import Callable, Sequence
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import asyncssh
+
+from agent_backend.backends._errors import describe
+from agent_backend.backends.ssh import remote
+from agent_backend.backends.ssh.channel import (
+    SSHConnection,
+    SSHConnector,
+    _CommandChannel,
+    open_channel,
+    run_maintenance,
+    wait_closed,
+)
+from agent_backend.backends.ssh.config import SSHHostConfig, SSHHostStats
+from agent_backend.backends.ssh.pool import ConnectionPool
+from agent_backend.backoff import backoff_delay
+from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host, Output
+from agent_backend.errors import BackendUnavailable, PoolClosed, ToolTimeout, WorkerLost
+
+__all__ = ["SSHHost"]
+
+logger = logging.getLogger("agent_backend.backends.ssh")
+
+# Bounds of the shielded cleanup steps (seconds).
+_KILL_WAIT = 2.0
+_SIGNAL_CHANNEL_TIMEOUT = 2.0
+_FINAL_CLEANUP_TIMEOUT = 5.0
+
+
+class _Call:
+    """The owner of a call's leases."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __repr__(self) -> str:
+        return f"<call {self.token}>"
+
+
+class SSHHost(Host):
+    """One SSH host and its pool of connections. Created and run by :class:`SSHBackend`."""
+
+    def __init__(self, config: SSHHostConfig) -> None:
+        self.config = config
+        self.username = config.username or getpass.getuser()
+        self.address = f"{config.host}:{config.port}"
+        self.name = f"{self.username}@{self.address}"
+        self._connector = SSHConnector(config, self.username, self.name)
+        self.pool: ConnectionPool[SSHConnection] = ConnectionPool(
+            self.name, config, self._connector, on_added=self._schedule_orphan_cleanup
+        )
+        """The connection pool (its state machine; read-only for callers)."""
+        self._files = remote.RemoteFiles(self._script, self.name)
+        self._in_flight = 0  # calls inside _execute
+        self._running: set[_CommandChannel] = set()  # their remote commands, while they run
+        self._calls_done = anyio.Event()
+        self._orphans: list[str] = []  # tokens of calls lost with their connection
+        self._orphan_killer = False
+        self._workspaces: set[str] = set()
+        self._instance = secrets.token_hex(4)
+        self._call_ids = itertools.count(1)
+        self._calls_started = 0
+        self._remote_kills = 0
+        if config.insecure_skip_host_key_check:
+            logger.warning(
+                "%s: host key verification is OFF (insecure_skip_host_key_check = true); "
+                "anyone on the network path can impersonate this host",
+                self.name,
+            )
+
+    # -- predicates and statistics ------------------------------------------------------------
+
+    def is_up(self) -> bool:
+        return not self.pool.down and self.pool.is_open()
+
+    def is_closed(self) -> bool:
+        return self.pool.state in ("closing", "closed")
+
+    def load(self) -> int:
+        """Calls in flight: holding a channel slot, or queued for one."""
+        return self.pool.table.active_leases() + self.pool.queued()
+
+    def statistics(self) -> SSHHostStats:
+        pool = self.pool
+        table = pool.table.statistics()
+        return SSHHostStats(
+            host=self.name,
+            up=not pool.down,
+            closed=self.is_closed(),
+            connections_open=table.resources,
+            connections_idle=table.idle,
+            connections_connecting=pool.connecting,
+            leases_active=table.active_leases,
+            leases_queued=pool.queued(),
+            channels_open=sum(c.open_channels for c in pool.table.resources()),
+            handshakes=self._connector.handshakes,
+            handshake_failures=self._connector.handshake_failures,
+            connections_lost=pool.connections_lost,
+            connections_reaped=pool.connections_reaped,
+            channel_refusals=pool.channel_refusals,
+            calls=self._calls_started,
+            remote_kills=self._remote_kills,
+            consecutive_failures=pool.consecutive_failures,
+            workspaces=len(self._workspaces),
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        state = " closed" if s.closed else (" down" if not s.up else "")
+        return (
+            f"<SSHHost {self.address} [leases: {s.leases_active} active, {s.leases_queued} queued"
+            f" | conns: {s.connections_open} open, {s.connections_idle} idle]{state}>"
+        )
+
+    def connections(self) -> list[SSHConnection]:
+        """The registered connections, oldest first (for tests and diagnostics)."""
+        return self.pool.table.resources()
+
+    def workspaces(self) -> frozenset[str]:
+        """The workspaces made and not yet removed."""
+        return frozenset(self._workspaces)
+
+    # -- lifecycle (driven by SSHBackend) -----------------------------------------------------
+
+    async def _start(self, tg: anyio.abc.TaskGroup) -> None:
+        # Key files are read once, in a thread: a blocking read on the loop would
+        # freeze every host starting in the same gather.
+        await anyio.to_thread.run_sync(self._connector.load_credentials)
+        self.pool.start(tg)
+
+    def _begin_close(self) -> None:
+        """Synchronously: refuse new calls and connections, fail waiters, end calls in flight."""
+        if self.is_closed():
+            return
+        self.pool.begin_close()
+        for channel in self._running:
+            channel.stop()  # each call kills its remote command, then raises PoolClosed
+        if self._in_flight == 0:
+            self._calls_done.set()
+
+    async def _wait_calls(self) -> None:
+        await self._calls_done.wait()
+
+    async def _shutdown(self) -> None:
+        """Close every connection (the caller shields this); leave nothing remote behind."""
+        connections = self.pool.take_all()
+        if self._orphans or self._workspaces:
+            await self._final_cleanup([c for c in connections if not c.lost])
+        for connection in connections:
+            connection.conn.close()
+        for connection in connections:
+            await wait_closed(connection)
+        self.pool.state = "closed"
+
+    async def _final_cleanup(self, live: list[SSHConnection]) -> None:
+        """Kill orphans of lost connections and remove workspaces left by unfinished sessions."""
+        parts = [remote.kill_script(self._orphans, "KILL")] if self._orphans else []
+        if self._workspaces:
+            paths = " ".join(shlex.quote(p) for p in sorted(self._workspaces))
+            parts.append(f"chmod -R u+rwx -- {paths} 2>/dev/null; rm -rf -- {paths}")
+        line = "; ".join([*parts, "exit 0"])
+        with anyio.move_on_after(_FINAL_CLEANUP_TIMEOUT):
+            connection = live[0] if live else None
+            one_off = connection is None and not self.pool.down
+            if one_off:
+                # Not a pool reconnect: a single connection, closed below, only so that
+                # workspaces and orphaned commands are not leaked when no pooled
+                # connection is left (all reaped or lost).
+                with contextlib.suppress(BackendUnavailable):
+                    connection = await self._connector.connect()
+            if connection is not None:
+                channel = await self._maintenance(connection, line, within=_FINAL_CLEANUP_TIMEOUT)
+                if channel is not None and channel.exit_status == 0:
+                    self._orphans.clear()
+                    self._workspaces.clear()
+                if one_off:
+                    connection.conn.close()
+                    await connection.conn.wait_closed()
+        if self._workspaces:
+            logger.warning(
+                "%s: could not remove workspaces at close: %s", self.name, sorted(self._workspaces)
+            )
+
+    # -- running commands ---------------------------------------------------------------------
+
+    async def run(self, command: Command) -> CommandResult:
+        config = self.config
+        return await self._execute(
+            functools.partial(
+                remote.command_line, command, base_env=config.env, shell=config.shell
+            ),
+            stdin=command.stdin,
+            time_limit=command.timeout,
+            stdout_limit=command.output_limit,
+            stderr_limit=command.output_limit,
+        )
+
+    async def _execute(
+        self,
+        line_for: Callable[[str], str],
+        *,
+        stdin: bytes | None,
+        time_limit: float,
+        stdout_limit: int,
+        stderr_limit: int,
+    ) -> CommandResult:
+        self.pool.check_usable()
+        started = time.monotonic()
+        token = f"{self._instance}.{next(self._call_ids)}"
+        line = line_for(token)
+        self._calls_started += 1
+        self._in_flight += 1
+        try:
+            return await self._attempt(
+                line,
+                token,
+                stdin=stdin,
+                started=started,
+                deadline=started + time_limit,
+                limits=(stdout_limit, stderr_limit),
+            )
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and not self.pool.is_open():
+                self._calls_done.set()
+
+    async def _attempt(
+        self,
+        line: str,
+        token: str,
+        *,
+        stdin: bytes | None,
+        started: float,
+        deadline: float,
+        limits: tuple[int, int],
+    ) -> CommandResult:
+        owner = _Call(token)
+        pool = self.pool
+        refusals = 0
+        while True:
+            pool.check_usable()
+            # Fast path: a free slot and nobody queued (FIFO): no waiting, no timer.
+            lease = pool.try_acquire(owner)
+            if lease is None:
+                with anyio.move_on_after(max(0.0, deadline - time.monotonic())):
+                    lease = await pool.lease(owner)
+                if lease is None:
+                    return self._busy_result(started)
+            connection = lease.resource
+            try:
+                channel, protocol = await self._open(connection, line, limits)
+            except asyncssh.ChannelOpenError as exc:
+                pool.release(lease)
+                refusals += 1
+                pool.channel_refused(connection, exc.reason)
+                if refusals > self.config.channel_open_retries:
+                    raise BackendUnavailable(
+                        f"{self.name} refused {refusals} channel opens in a row ({exc.reason});"
+                        " is max_channels_per_connection above sshd's MaxSessions?",
+                        backend="ssh",
+                        host=self.name,
+                    ) from exc
+                delay = backoff_delay(
+                    refusals, first=self.config.retry_backoff, ceiling=self.config.retry_backoff_max
+                )
+                with anyio.move_on_after(min(delay, max(0.0, deadline - time.monotonic()))):
+                    await pool.closing.wait()
+                continue
+            except BaseException:
+                pool.release(lease)
+                raise
+            try:
+                return await self._drive(
+                    connection, channel, protocol, token, stdin, started, deadline
+                )
+            finally:
+                pool.release(lease)
+
+    async def _open(
+        self, connection: SSHConnection, line: str, limits: tuple[int, int]
+    ) -> tuple[asyncssh.SSHClientChannel[bytes], _CommandChannel]:
+        return await open_channel(
+            connection, line, limits, host=self.name, open_timeout=self.config.connect_timeout
+        )
+
+    async def _maintenance(
+        self, connection: SSHConnection, line: str, *, within: float
+    ) -> _CommandChannel | None:
+        return await run_maintenance(
+            connection,
+            line,
+            host=self.name,
+            open_timeout=self.config.connect_timeout,
+            within=within,
+        )
+
+    async def _drive(
+        self,
+        connection: SSHConnection,
+        channel: asyncssh.SSHClientChannel[bytes],
+        protocol: _CommandChannel,
+        token: str,
+        stdin: bytes | None,
+        started: float,
+        deadline: float,
+    ) -> CommandResult:
+        connection.open_channels += 1
+        self._running.add(protocol)
+        if not self.pool.is_open():
+            protocol.stop()  # stop began while the channel was opening
+        try:
+            if stdin is not None:  # else the remote stdin is /dev/null (see the prologue)
+                with contextlib.suppress(OSError, asyncssh.Error):
+                    channel.write(stdin)
+                    channel.write_eof()
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(
+                loop.time() + max(0.0, deadline - time.monotonic()), protocol.expire
+            )
+            try:
+                await protocol.wake.wait()
+            except BaseException:  # the caller was cancelled: no remote orphan
+                with anyio.CancelScope(shield=True):
+                    await self._terminate(connection, channel, protocol, token)
+                raise
+            finally:
+                timer.cancel()
+            terminated = not protocol.closed.is_set()  # timed out, or the pool is stopping
+            if terminated:
+                with anyio.CancelScope(shield=True):
+                    await self._terminate(connection, channel, protocol, token)
+        finally:
+            connection.open_channels -= 1
+            self._running.discard(protocol)
+        if terminated and protocol.stopping:
+            raise PoolClosed(f"{self.name} was closed while the call was running")
+        timed_out = terminated
+        ended = protocol.exit_status is not None or protocol.exit_signal is not None
+        if not ended and (connection.lost or not timed_out):
+            self._note_orphan(token)  # its processes may still run remotely
+            cause = describe(protocol.error) if protocol.error is not None else "channel closed"
+            raise WorkerLost(
+                f"connection #{connection.serial} to {self.name} was lost during the call ({cause})",
+                worker=f"{self.name}#{connection.serial}",
+                cause=cause,
+                backend="ssh",
+                host=self.name,
+            )
+        return CommandResult(
+            exit_status=protocol.exit_status,
+            signal=protocol.exit_signal or ("KILL" if timed_out and not ended else None),
+            stdout=protocol.stdout.result(),
+            stderr=protocol.stderr.result(),
+            duration=time.monotonic() - started,
+            timed_out=timed_out,
+            host=self.name,
+        )
+
+    def _busy_result(self, started: float) -> CommandResult:
+        message = f"the command did not start within its timeout: no SSH channel to {self.name} became free".encode()
+        return CommandResult(
+            exit_status=None,
+            stderr=Output(message, len(message), False),
+            duration=time.monotonic() - started,
+            timed_out=True,
+            host=self.name,
+        )
+
+    # -- remote kills and orphans -------------------------------------------------------------
+
+    async def _terminate(
+        self,
+        connection: SSHConnection,
+        channel: asyncssh.SSHClientChannel[bytes],
+        protocol: _CommandChannel,
+        token: str,
+    ) -> None:
+        """End every remote process of the call: TERM, grace, KILL; then close the channel.
+
+        Each signal goes both as an SSH "signal" request (sshd honours it for
+        non-root logins, to the session's process group) and by ``kill`` on a
+        second channel to every process carrying the call's token and to their
+        process groups (always works, and reaches children that left the group).
+        The KILL sweep runs even when TERM ended the command, for anything that
+        ignored TERM in the background. Bounded; the caller shields it.
+        """
+        self._remote_kills += 1
+        with anyio.move_on_after(self.config.kill_grace + 3 * _KILL_WAIT):
+            for signame, wait in (("TERM", self.config.kill_grace), ("KILL", _KILL_WAIT)):
+                if connection.lost:
+                    break
+                if not protocol.closed.is_set():
+                    with contextlib.suppress(OSError, asyncssh.Error, ValueError):
+                        channel.send_signal(signame)
+                await self._signal_calls(connection, [token], signame)
+                with anyio.move_on_after(wait):
+                    await protocol.closed.wait()
+        if connection.lost or not protocol.closed.is_set():
+            self._note_orphan(token)
+        with contextlib.suppress(OSError, asyncssh.Error):
+            channel.close()
+
+    async def _signal_calls(
+        self, preferred: SSHConnection, tokens: Sequence[str], signame: str
+    ) -> None:
+        """Run the kill script on ``preferred``, else on another live connection of the host."""
+        line = remote.kill_script(tokens, signame)
+        others = [c for c in self.pool.table.resources() if c is not preferred]
+        for connection in (preferred, *others):
+            if connection.lost:
+                continue
+            channel = await self._maintenance(connection, line, within=_SIGNAL_CHANNEL_TIMEOUT)
+            if channel is not None:
+                return
+
+    def _note_orphan(self, token: str) -> None:
+        self._orphans.append(token)
+        self._schedule_orphan_cleanup()
+
+    def _schedule_orphan_cleanup(self) -> None:
+        if self._orphans and not self._orphan_killer and self.pool.is_open():
+            self._orphan_killer = True
+            self.pool.spawn(self._kill_orphans, "orphan cleanup")
+
+    async def _kill_orphans(self) -> None:
+        """Kill the processes of calls lost with their connection, on spare capacity only.
+
+        Never queues (queueing would look like demand and open a connection): it
+        takes a free slot when nobody waits, else tries again shortly.
+        """
+        pool = self.pool
+        try:
+            owner = _Call("orphan-cleanup")
+            give_up = time.monotonic() + self.config.file_op_timeout
+            # With no connection left, stop: the next one adopted schedules this again.
+            while self._orphans and pool.is_open() and pool.table and time.monotonic() < give_up:
+                lease = pool.try_acquire(owner)
+                if lease is None:
+                    await anyio.sleep(0.05)
+                    continue
+                orphans, self._orphans = self._orphans, []
+                script = remote.kill_script(orphans, "KILL")
+                try:
+                    channel = await self._maintenance(
+                        lease.resource, script, within=self.config.file_op_timeout
+                    )
+                finally:
+                    pool.release(lease)
+                if channel is None or channel.exit_status != 0:
+                    self._orphans.extend(orphans)
+                    logger.warning("%s: could not kill orphaned remote commands", self.name)
+                return
+        finally:
+            self._orphan_killer = False
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def _script(
+        self,
+        script: str,
+        args: Sequence[str],
+        *,
+        what: str,
+        stdin: bytes | None = None,
+        limit: int = 1 << 20,
+    ) -> CommandResult:
+        timeout = self.config.file_op_timeout
+        line_for = functools.partial(
+            remote.script_line, script, args, base_env=self.config.env, stdin=stdin is not None
+        )
+        result = await self._execute(
+            line_for, stdin=stdin, time_limit=timeout, stdout_limit=limit, stderr_limit=4096
+        )
+        if result.timed_out:
+            raise ToolTimeout(
+                f"{what} on {self.name} did not finish within {timeout:g} s",
+                timeout=timeout,
+                backend="ssh",
+                host=self.name,
+            )
+        return result
+
+    async def make_workspace(self) -> str:
+        path = await self._files.make_workspace(self.config.workspace_root)
+        if not self.pool.is_open():  # closed while it was being made: do not leak it
+            raise PoolClosed(f"{self.name} is closed")
+        self._workspaces.add(path)
+        return path
+
+    async def remove_workspace(self, path: str) -> None:
+        """Remove a workspace this host made; any other path is left alone (never removed)."""
+        if path not in self._workspaces:
+            return
+        await self._files.remove_tree(path)
+        self._workspaces.discard(path)
+
+    async def realpath(self, path: str) -> str:
+        return await self._files.realpath(path)
+
+    async def read_file(self, path: str, *, limit: int) -> FileData:
+        return await self._files.read_file(path, limit=limit)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        await self._files.write_file(path, data)
+
+    async def list_dir(self, path: str) -> list[DirEntry]:
+        return await self._files.list_dir(path)

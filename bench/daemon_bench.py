@@ -9,17 +9,23 @@ server code, on the embedded local pool) so that it and the load generator
 each have a core, as they would on a tool host and a rollout worker.
 
 The ``daemon`` rows are what a user's code does: each concurrent client is
-its own :class:`agent_backend.Client` (httpx, over the client's
-:class:`~agent_backend.http11.HTTP11Transport`) with one keep-alive
+its own :class:`agent_backend.Client` (on aiohttp) with one keep-alive
 connection, calling ``client.call(...)`` (an ``Idempotency-Key`` on every
 call, the answer parsed into a ``ToolResult``; no retries, so every failure
-counts as an error). For reference, not as figures: the same calls from an
-``httpx.AsyncClient`` on httpx's default transport (httpcore and h11), and
-from a minimal hand-written HTTP/1.1 client ("raw client").
+counts as an error). Beside them: a plain ``aiohttp.ClientSession`` doing the
+Client's per-call work by hand (orjson body, an ``Idempotency-Key``, the
+``ToolResult`` parse), and a minimal hand-written HTTP/1.1 client ("raw
+client") that shows how much of the time is the daemon's.
 
-Figures to reach (issue 5), printed as PASS/FAIL:
-* at 1 client, the daemon's p50 latency is within 1 ms of the in-process call;
-* at 16 clients, at least 1,500 calls/s through the daemon, with no errors.
+Figures to reach, printed as PASS/FAIL:
+* at 1 client, the daemon's p50 latency is within 1 ms of the in-process call
+  (issue 5);
+* at 16 clients, at least 1,500 calls/s through the daemon, with no errors
+  (issue 5);
+* ``Client`` makes at least 0.95x the calls/s of the plain ``ClientSession``
+  at 1 and at 16 clients (issue 13): the two are measured against the same
+  daemon in alternating rounds (which goes first alternates too), and the
+  median of the per-round ratios is the figure.
 The exec tool (a real subprocess per call) is reported for scale, without a bar.
 """
 
@@ -28,20 +34,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
+import aiohttp
 import anyio
 import anyio.streams.buffered
-import httpx
 import orjson
+from yarl import URL
 
 from agent_backend.client import Client
 from agent_backend.daemon import DaemonServer, DaemonSettings
-from agent_backend.dispatch import Dispatcher
+from agent_backend.dispatch import Dispatcher, ToolResult
 from agent_backend.errors import AgentBackendError
 from agent_backend.pool import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
@@ -49,6 +58,10 @@ from agent_backend.tools import ToolRegistry
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "bench-token-" + "x" * 24
 CONCURRENCY = (1, 16, 64)
+# Client vs a plain aiohttp session: rounds at each of these, and the bar on the median ratio.
+COMPARED = (1, 16)
+ROUNDS = 8
+RATIO_BAR = 0.95
 # The daemon's process, whose CPU time the daemon rows report.
 SERVER: subprocess.Popen[str] | None = None
 
@@ -196,38 +209,64 @@ async def through_daemon(
         return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
 
 
-async def through_httpx(
+async def through_aiohttp(
     url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
 ) -> Run:
-    """httpx.AsyncClient on httpx's default transport (httpcore, h11), for reference.
+    """A plain aiohttp ``ClientSession`` doing the Client's per-call work, by hand.
 
-    One client per concurrent caller, each with its own keep-alive connection. (One
-    httpx client with many connections spends milliseconds per request scanning its
-    pool: httpcore's pool is O(connections).)
+    One session per concurrent caller, each with one keep-alive connection, as
+    the ``daemon`` rows: the body serialized with orjson, a fresh
+    ``Idempotency-Key``, the answer parsed into a ``ToolResult``.
     """
-    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    body = orjson.dumps({"name": tool, "arguments": arguments})
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    target = URL(f"{url}/v1/call")  # parsed once, as Client does
     async with contextlib.AsyncExitStack() as stack:
-        clients = [
+        sessions = [
             await stack.enter_async_context(
-                httpx.AsyncClient(base_url=url, headers=headers, limits=limits)
+                aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=1))
             )
             for _ in range(concurrency)
         ]
         per_client = max(1, total // concurrency)
 
         async def one(i: int) -> bool:
-            response = await clients[(i // per_client) % concurrency].post("/v1/call", content=body)
-            return response.status_code == 200 and bool(orjson.loads(response.content)["ok"])
+            session = sessions[(i // per_client) % concurrency]
+            body = orjson.dumps({"id": f"call_{i}", "name": tool, "arguments": arguments})
+            call_headers = {"Content-Type": "application/json", "Idempotency-Key": uuid.uuid4().hex}
+            async with session.post(target, data=body, headers=call_headers) as response:
+                answer = await response.read()
+                if response.status != 200:
+                    return False
+            return ToolResult.model_validate_json(answer).ok
 
         return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
+
+
+async def client_vs_plain(
+    url: str, concurrency: int, total: int, rounds: int
+) -> tuple[list[float], list[Run], list[Run]]:
+    """Alternating rounds of Client and the plain session; the ratio of each round."""
+    echo = {"value": "hello"}
+    ratios: list[float] = []
+    clients: list[Run] = []
+    plains: list[Run] = []
+    for index in range(rounds):
+        if index % 2 == 0:
+            client = await through_daemon(url, "echo", echo, concurrency, total)
+            plain = await through_aiohttp(url, "echo", echo, concurrency, total)
+        else:
+            plain = await through_aiohttp(url, "echo", echo, concurrency, total)
+            client = await through_daemon(url, "echo", echo, concurrency, total)
+        clients.append(client)
+        plains.append(plain)
+        ratios.append(client.rate / plain.rate)
+    return ratios, clients, plains
 
 
 async def through_daemon_raw(
     url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
 ) -> Run:
-    """The same calls from a minimal HTTP/1.1 keep-alive client (anyio streams, no httpx).
+    """The same calls from a minimal HTTP/1.1 keep-alive client (anyio streams, no library).
 
     Not one of the issue's figures: it shows how much of the time is the daemon's
     and how much the load generator's.
@@ -292,24 +331,24 @@ async def main(quick: bool) -> int:
             total = int((3000 if concurrency == 1 else 12000) * scale)
             local = await in_process("echo", echo, concurrency, total)
             remote = await through_daemon(url, "echo", echo, concurrency, total)
-            plain = await through_httpx(url, "echo", echo, concurrency, total)
+            plain = await through_aiohttp(url, "echo", echo, concurrency, total)
             raw = await through_daemon_raw(url, "echo", echo, concurrency, total)
             print(row(f"in-process  x{concurrency}", local))
             print(row(f"daemon      x{concurrency}", remote))
-            print(row(f"  (httpx default x{concurrency})", plain))
+            print(row(f"  (aiohttp plain x{concurrency})", plain))
             print(row(f"  (raw client x{concurrency})", raw))
             print(
                 f"{'':<22} daemon/in-process: {remote.rate / local.rate:.3f}x throughput,"
                 f" +{remote.pct(0.5) - local.pct(0.5):.3f} ms p50"
             )
             if concurrency == 1:
-                for name, run in (("httpx default transport", plain), ("raw client", raw)):
+                for name, run in (("plain aiohttp session", plain), ("raw client", raw)):
                     notes.append(
                         f"INFO  {name}, 1 client: p50 +{run.pct(0.5) - local.pct(0.5):.3f} ms"
                         " over in-process"
                     )
             if concurrency == 16:
-                for name, run in (("httpx default transport", plain), ("raw client", raw)):
+                for name, run in (("plain aiohttp session", plain), ("raw client", raw)):
                     notes.append(
                         f"INFO  {name}, 16 clients: {run.rate:,.0f} calls/s, {run.errors} errors"
                     )
@@ -329,6 +368,33 @@ async def main(quick: bool) -> int:
                         remote.rate >= 1500 and remote.errors == 0,
                     )
                 )
+        rounds = max(2, int(ROUNDS * scale) // 2 * 2)
+        print(
+            f"Client vs a plain aiohttp ClientSession doing its per-call work, {rounds}"
+            " alternating rounds (ratio: Client's calls/s over the plain session's):"
+        )
+        for concurrency in COMPARED:
+            total = int((1500 if concurrency == 1 else 4000) * scale)
+            ratios, clients, plains = await client_vs_plain(url, concurrency, total, rounds)
+            median = statistics.median(ratios)
+            cpu = statistics.median(
+                c.client_cpu / p.client_cpu for c, p in zip(clients, plains, strict=True)
+            )
+            print(
+                f"  x{concurrency:<3} ratios {' '.join(f'{r:.3f}' for r in ratios)};"
+                f" median {median:.3f}x; Client {statistics.median(c.rate for c in clients):,.0f}"
+                f" vs plain {statistics.median(p.rate for p in plains):,.0f} calls/s;"
+                f" client CPU per call {cpu:.3f}x the plain session's"
+            )
+            errors = sum(r.errors for r in clients + plains)
+            verdicts.append(
+                (
+                    f"Client >= {RATIO_BAR}x a plain aiohttp ClientSession's calls/s at"
+                    f" {concurrency} client{'s' if concurrency > 1 else ''}"
+                    f" (median of {rounds} rounds: {median:.3f}x, {errors} errors)",
+                    median >= RATIO_BAR and errors == 0,
+                )
+            )
         total = int(800 * scale)
         command = {"argv": ["true"]}
         local = await in_process("exec", command, 16, total)

@@ -39,7 +39,7 @@ import functools
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, Self
+from typing import Any, Final, Literal
 
 import anyio
 import anyio.abc
@@ -47,26 +47,21 @@ import anyio.to_thread
 import ray
 import ray.exceptions
 
-from agent_backend.backends.ray import RayPoolConfig
-from agent_backend.backends.ray.runtime import (
+from agent_backend.backends.ray import (
     ACTOR_DEATHS,
-    CONNECTION,
+    ActorSupervisor,
+    RayPoolConfig,
+    Replica,
     actor_options,
-    connect,
     describe_cause,
     describe_when_ready,
 )
-from agent_backend.backends.ray.supervisor import ActorSet, Replica
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
-    BackendUnavailable,
     NonFiniteLogprobs,
-    PoolClosed,
-    PoolError,
     RolloutError,
     clip,
 )
-from agent_backend.lifecycle import AsyncResource
 from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
@@ -256,7 +251,7 @@ class _Worker(Replica):
         )
 
 
-class RayRolloutWorkers(AsyncResource):
+class RayRolloutWorkers(ActorSupervisor[_Worker]):
     """Rollout workers as Ray actors, for :class:`~agent_backend.rollout.pool.RolloutPool`
     (``workers=``): episodes scale out.
 
@@ -273,8 +268,10 @@ class RayRolloutWorkers(AsyncResource):
     built-ins), and the pool file's ``tools``, Python functions imported by
     each worker and run in it. ``reward`` must pickle.
 
-    Faults are in the module docstring. A cancelled episode is cancelled on
-    its worker too (``ray.cancel``), which closes its session there.
+    Faults are in the module docstring; the workers' lifecycle, faults and
+    queue are :class:`~agent_backend.backends.ray.ActorSupervisor`'s. A
+    cancelled episode is cancelled on its worker too (``ray.cancel``), which
+    closes its session there.
     """
 
     def __init__(
@@ -293,29 +290,19 @@ class RayRolloutWorkers(AsyncResource):
             raise TypeError(f"a Ray pool config, not {type(config).__name__}")
         if "url" not in policy:
             raise ValueError("policy needs the server's url")
-        self.config = config
+        super().__init__(
+            config,
+            subject=f"the Ray rollout workers of pool {config.name!r}",
+            plural=True,
+            actor_noun="Ray rollout worker",
+            closed_cause="the workers were closed",
+        )
         self.episode = episode or EpisodeConfig()
         self._policy = dict(policy)
         self._tools_dir = str(tools_dir if tools_dir is not None else BUILTIN_TOOLS_DIR)
         self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
         self._reward = reward
         self._token = secrets.token_hex(3)
-        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
-        self._owns_ray = False
-        self._stack = contextlib.AsyncExitStack()
-        self._tasks: anyio.abc.TaskGroup | None = None
-        self._workers = ActorSet[_Worker](
-            replicas=config.replicas,
-            max_restarts=config.max_restarts,
-            max_concurrency=config.max_concurrency,
-            spawn=self._spawn,
-            await_ready=self._await_ready,
-            changed=self._notify,
-            closed_cause="the workers were closed",
-        )
-        self._changed = anyio.Event()
-        """Set (and replaced) whenever a worker changes state or frees a slot."""
-        self._done = anyio.Event()
         self._episodes = self._lost = 0
 
     # -- introspection ---------------------------------------------------------------------------
@@ -331,60 +318,36 @@ class RayRolloutWorkers(AsyncResource):
     @property
     def workers(self) -> list[RolloutWorkerInfo]:
         """The current worker of every replica."""
-        return [worker.info() for worker in self._workers.entries]
+        return [worker.info() for worker in self._actors.entries]
 
     @property
     def ray_names(self) -> list[str]:
         """The Ray names of every actor started so far, replaced ones included."""
-        return list(dict.fromkeys(worker.ray_name for worker in self._workers.everyone()))
+        return list(dict.fromkeys(worker.ray_name for worker in self._actors.everyone()))
 
     @property
     def capacity(self) -> int:
         """Episodes the live workers run at once."""
-        return self._workers.live() * self.config.max_concurrency
-
-    def is_closed(self) -> bool:
-        return self._state in ("closing", "closed")
+        return self._actors.live() * self.config.max_concurrency
 
     def statistics(self) -> RayRolloutStatistics:
-        states = self._workers.states()
+        states = self._actors.states()
         return RayRolloutStatistics(
             workers_live=states["live"],
             workers_starting=states["starting"],
             workers_dead=states["dead"],
-            episodes_in_flight=self._workers.in_flight(),
+            episodes_in_flight=self._actors.in_flight(),
             episodes=self._episodes,
             episodes_lost=self._lost,
-            evictions=self._workers.evictions,
-            restarts=self._workers.replacements,
+            evictions=self._actors.evictions,
+            restarts=self._actors.replacements,
             closed=self._state == "closed",
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def start(self) -> None:
-        """Connect to Ray (or start a local one) and start every worker; wait until they run."""
-        if self._state != "new":
-            raise RolloutError(
-                f"the Ray rollout workers can be started once (they are {self._state})"
-            )
-        self._state = "starting"
-        try:
-            await anyio.to_thread.run_sync(self._connect)
-            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-            await self._workers.start(self._tasks)
-        except BaseException:
-            await self.aclose()
-            raise
-        self._state = "open"
-
-    def _connect(self) -> None:
-        """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
-        self._owns_ray = connect(self.config)
+    def _started_twice(self) -> RolloutError:
+        return RolloutError(f"the Ray rollout workers can be started once (they are {self._state})")
 
     def _spawn(self, index: int, generation: int) -> _Worker:
         config = self.config
@@ -425,78 +388,18 @@ class RayRolloutWorkers(AsyncResource):
             worker.handle, label=f"rollout worker {worker.name}", config=self.config
         )
 
-    async def aclose(self) -> None:
-        """Close every worker (sessions, policy clients), kill the actors; idempotent."""
-        if self._state == "closed":
-            return
-        if self._state == "closing":
-            await self._done.wait()
-            return
-        self._state = "closing"
-        try:
-            if self._tasks is not None:
-                self._tasks.cancel_scope.cancel()
-            # Exited here, not under the shield below: a task group's scope must be the
-            # innermost one when it exits. Its tasks are cancelled, so this is quick.
-            await self._stack.aclose()
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    with anyio.move_on_after(_CLOSE_TIMEOUT):
-                        async with anyio.create_task_group() as group:
-                            for worker in self._workers.entries:
-                                if worker.state == "live":
-                                    group.start_soon(self._close_worker, worker)
-                    await self._workers.stop()
-                    if self._owns_ray:
-                        self._owns_ray = False
-                        await anyio.to_thread.run_sync(CONNECTION.close)
-                finally:
-                    self._state = "closed"
-                    self._done.set()
-                    self._notify()
+    async def _wind_down(self) -> None:
+        """Let every live worker close its sessions and policy client (bounded) before the kill."""
+        with anyio.move_on_after(_CLOSE_TIMEOUT):
+            async with anyio.create_task_group() as group:
+                for worker in self._actors.entries:
+                    if worker.state == "live":
+                        group.start_soon(self._close_worker, worker)
 
     @staticmethod
     async def _close_worker(worker: _Worker) -> None:
         with contextlib.suppress(Exception):
             await worker.handle.close.remote()
-
-    # -- faults ----------------------------------------------------------------------------------
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def _no_worker_error(self) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"every Ray rollout worker of pool {self.config.name!r} is dead and out of "
-            f"restarts (max_restarts={self.config.max_restarts}): {self._workers.causes()}",
-            backend="ray",
-        )
-
-    # -- routing ---------------------------------------------------------------------------------
-
-    async def _acquire(self) -> _Worker:
-        while True:
-            if self._state in ("closing", "closed"):
-                raise PoolClosed(f"the Ray rollout workers of pool {self.config.name!r} are closed")
-            if self._state != "open":
-                raise PoolError(
-                    f"the Ray rollout workers of pool {self.config.name!r} are not started: "
-                    "use `async with`"
-                )
-            worker = self._workers.pick()
-            if worker is not None:
-                worker.in_flight += 1
-                return worker
-            if self._workers.exhausted():
-                raise self._no_worker_error()
-            await self._changed.wait()
-
-    def _release(self, worker: _Worker) -> None:
-        worker.in_flight -= 1
-        self._episodes += 1
-        self._notify()
 
     # -- episodes --------------------------------------------------------------------------------
 
@@ -537,6 +440,7 @@ class RayRolloutWorkers(AsyncResource):
                 first = second = worker.handle.run_episode.remote(prompt, ids, version)
         except Exception as exc:  # the prompt does not pickle
             self._release(worker)
+            self._episodes += 1
             error = f"the episode cannot be sent to a Ray worker: {type(exc).__name__}: {exc}"
             return self._failed(ids, version, "rollout_error", error)
         try:
@@ -557,7 +461,7 @@ class RayRolloutWorkers(AsyncResource):
         except ACTOR_DEATHS as exc:
             await _drain(second)
             cause_text = describe_cause(exc)
-            self._workers.evict(worker, cause_text)
+            self._evict(worker, cause_text)
             self._lost += 1
             error = f"rollout worker {worker.name} was lost: {cause_text}"
             return self._failed(ids, version, "env_error", error)
@@ -571,6 +475,7 @@ class RayRolloutWorkers(AsyncResource):
             raise
         finally:
             self._release(worker)
+            self._episodes += 1
 
     def _failed(self, ids: EpisodeIds, version: int, reason: Any, error: str) -> list[Trajectory]:
         return _failed_record(ids, version, reason, error, self.episode.failure_reward)
@@ -578,7 +483,7 @@ class RayRolloutWorkers(AsyncResource):
     async def non_finite(self) -> NonFiniteStats:
         """The non-finite logprob counts of every live worker, summed (a dead worker's are lost)."""
         totals: collections.Counter[str] = collections.Counter()
-        for worker in self._workers.entries:
+        for worker in self._actors.entries:
             if worker.state == "live":
                 with contextlib.suppress(Exception):
                     stats = await worker.handle.non_finite.remote()

@@ -9,8 +9,10 @@ Modules:
 * :mod:`~agent_backend.backends.ray.runtime`: this process's connection to Ray, actor placement.
 * :mod:`~agent_backend.backends.ray.payload`: :class:`PayloadRef`, results by reference.
 
-The names below are the public surface; the rollout workers
-(:mod:`agent_backend.rollout.ray_workers`) use only these.
+The names below are the public surface. The second group is the kit for
+another pool of actors (the rollout workers,
+:mod:`agent_backend.rollout.ray_workers`, are built on it): the supervisor
+base, its replica record, and the Ray plumbing an actor's owner needs.
 """
 
 from __future__ import annotations
@@ -18,8 +20,17 @@ from __future__ import annotations
 from agent_backend.backends.ray.backend import RayActorInfo, RayBackend, RayResult, RayStatistics
 from agent_backend.backends.ray.config import LocalRayConfig, RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.payload import PayloadRef
+from agent_backend.backends.ray.runtime import (
+    ACTOR_DEATHS,
+    actor_options,
+    describe_cause,
+    describe_when_ready,
+)
+from agent_backend.backends.ray.supervisor import ActorSupervisor, Replica
 
 __all__ = [
+    "ACTOR_DEATHS",
+    "ActorSupervisor",
     "LocalRayConfig",
     "PayloadRef",
     "RayActorInfo",
@@ -28,4 +39,8 @@ __all__ = [
     "RayResult",
     "RayStatistics",
     "RayToolConfig",
+    "Replica",
+    "actor_options",
+    "describe_cause",
+    "describe_when_ready",
 ]

@@ -29,7 +29,6 @@ never fetch a by-reference result into the driver. Ray runs on asyncio only.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -51,20 +50,18 @@ from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
 from agent_backend.backends.ray.runtime import (
     ACTOR_DEATHS,
-    CONNECTION,
     actor_options,
-    connect,
+    check_cluster,
     describe_cause,
     describe_when_ready,
-    render_resources,
+    tool_shortage,
 )
-from agent_backend.backends.ray.supervisor import ActorSet, Replica
+from agent_backend.backends.ray.supervisor import ActorSupervisor, Replica
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,
     BackendError,
     BackendUnavailable,
-    PoolClosed,
     PoolError,
     ResourceUnavailable,
     ToolArgumentError,
@@ -184,46 +181,30 @@ class _Actor(Replica):
         )
 
 
-@dataclasses.dataclass(eq=False, slots=True)
-class _Waiter:
-    event: anyio.Event = dataclasses.field(default_factory=anyio.Event)
-    actor: _Actor | None = None
-    error: AgentBackendError | None = None
-
-
 class _ActorDied(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
 
 
-class RayBackend(Backend):
+class RayBackend(ActorSupervisor[_Actor], Backend):
     """A pool of Ray actors hosting Python tools; ``await pool.call(tool, arguments)``.
 
     Ray actors run Python functions, not shell commands, so :attr:`hosts` is
-    empty and :meth:`call` is the way in.
+    empty and :meth:`call` is the way in. The actors' lifecycle, faults and
+    queue are :class:`~agent_backend.backends.ray.supervisor.ActorSupervisor`'s.
     """
 
     kind: ClassVar[str] = "ray"
 
     def __init__(self, config: RayPoolConfig) -> None:
-        self.config = config
-        self._pool_id = uuid.uuid4().hex[:8]
-        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
-        self._done = anyio.Event()
-        self._owns_ray = False
-        self._stack = contextlib.AsyncExitStack()
-        self._tasks: anyio.abc.TaskGroup | None = None
-        self._actors = ActorSet[_Actor](
-            replicas=config.replicas,
-            max_restarts=config.max_restarts,
-            max_concurrency=config.max_concurrency,
-            spawn=self._spawn,
-            await_ready=self._await_ready,
-            changed=self._dispatch_waiters,
+        super().__init__(
+            config,
+            subject=f"the Ray pool {config.name!r}",
+            actor_noun="actor",
             closed_cause="the pool was closed",
         )
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._pool_id = uuid.uuid4().hex[:8]
         self._tools: dict[str, Tool] = {}
         self._specs: dict[str, RayToolConfig] = {}
         self._unsatisfiable: dict[str, ResourceUnavailable] = {}
@@ -285,9 +266,6 @@ class RayBackend(Backend):
     def actors(self) -> list[RayActorInfo]:
         return [actor.info() for actor in self._actors.entries]
 
-    def is_closed(self) -> bool:
-        return self._state in ("closing", "closed")
-
     def statistics(self) -> RayStatistics:
         states = self._actors.states()
         return RayStatistics(
@@ -306,43 +284,8 @@ class RayBackend(Backend):
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        if self._state != "new":
-            raise PoolError(f"the Ray pool {self.config.name!r} was already started")
-        self._state = "starting"
-        try:
-            await anyio.to_thread.run_sync(self._connect)
-            self._check_cluster(await anyio.to_thread.run_sync(ray.cluster_resources))
-            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
-            described = await self._actors.start(self._tasks)
-            self._learn_tools(described[0])
-        except BaseException:
-            # Not only under `async with`: a failed start leaves no actor, task or local Ray.
-            await self.aclose()
-            raise
-        self._state = "open"
-
-    def _connect(self) -> None:
-        """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
-        self._owns_ray = connect(self.config)
-
-    def _check_cluster(self, total: Mapping[str, float]) -> None:
-        """Refuse, at start, actors that the whole cluster could never hold."""
-        if self.config.autoscaling:
-            return
-        per_actor = self.config.actor_resources()
-        needed = {name: amount * self.config.replicas for name, amount in per_actor.items()}
-        short = {name for name, amount in needed.items() if total.get(name, 0.0) + 1e-9 < amount}
-        if short:
-            raise ResourceUnavailable(
-                f"pool {self.config.name!r} needs {render_resources(needed)} for {self.config.replicas} "
-                f"actor(s) of {render_resources(per_actor)}, but the cluster has "
-                f"{render_resources({name: total.get(name, 0.0) for name in sorted(needed)})} "
-                "(set autoscaling = true if nodes are added on demand)",
-                needed=needed,
-                available={name: float(total.get(name, 0.0)) for name in needed},
-                backend="ray",
-            )
+    async def _prepare(self) -> None:
+        check_cluster(self.config, await anyio.to_thread.run_sync(ray.cluster_resources))
 
     def _spawn(self, index: int, generation: int) -> _Actor:
         config = self.config
@@ -378,10 +321,11 @@ class RayBackend(Backend):
         actor.gpu_ids = tuple(info["gpu_ids"])
         return info  # type: ignore[no-any-return]
 
-    def _learn_tools(self, info: Mapping[str, Any]) -> None:
-        for spec, tool in zip(self.config.tools, info["tools"], strict=True):
+    def _started(self, described: list[Any]) -> None:
+        """Learn the tools from the first actor's description (every actor loads the same)."""
+        for spec, tool in zip(self.config.tools, described[0]["tools"], strict=True):
             self._specs[tool["name"]] = spec
-            shortage = self._shortage(tool["name"], spec)
+            shortage = tool_shortage(self.config, tool["name"], spec)
             if shortage is not None:
                 self._unsatisfiable[tool["name"]] = shortage
             self._tools[tool["name"]] = Tool(
@@ -393,108 +337,9 @@ class RayBackend(Backend):
                 meta={"x-agent-backend": {"backend": "ray", "timeout": self.config.call_timeout}},
             )
 
-    async def aclose(self) -> None:
-        if self._state == "closed":
-            return
-        if self._state == "closing":
-            await self._done.wait()
-            return
-        self._state = "closing"
-        try:
-            self._fail_waiters(PoolClosed(f"the Ray pool {self.config.name!r} was closed"))
-            if self._tasks is not None:
-                self._tasks.cancel_scope.cancel()
-            # Exited here, not under the shield below: a task group's scope must be the
-            # innermost one when it exits. Its tasks are cancelled, so this is quick.
-            await self._stack.aclose()
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._actors.stop()
-                    for payload in list(self._payloads):
-                        payload.release()
-                    if self._owns_ray:
-                        self._owns_ray = False
-                        await anyio.to_thread.run_sync(CONNECTION.close)
-                finally:
-                    self._state = "closed"
-                    self._done.set()
-
-    # -- routing ---------------------------------------------------------------------------------
-
-    def _dispatch_waiters(self) -> None:
-        """Hand free actors to queued calls in FIFO order (sync: no I/O here)."""
-        while self._waiters:
-            actor = self._actors.pick()
-            if actor is None:
-                if self._actors.exhausted():
-                    self._fail_waiters(self._no_actor_error())
-                return
-            waiter = self._waiters.popleft()
-            actor.in_flight += 1
-            waiter.actor = actor
-            waiter.event.set()
-
-    def _fail_waiters(self, error: AgentBackendError) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            waiter.error = error
-            waiter.event.set()
-
-    def _no_actor_error(self) -> BackendUnavailable:
-        return BackendUnavailable(
-            f"every actor of pool {self.config.name!r} is dead and out of restarts "
-            f"({self._actors.causes()})",
-            backend="ray",
-        )
-
-    async def _acquire(self) -> _Actor:
-        if not self._waiters:
-            actor = self._actors.pick()
-            if actor is not None:
-                actor.in_flight += 1
-                return actor
-        if self._actors.exhausted():
-            raise self._no_actor_error()
-        waiter = _Waiter()
-        self._waiters.append(waiter)
-        try:
-            await waiter.event.wait()
-        except BaseException:
-            with contextlib.suppress(ValueError):
-                self._waiters.remove(waiter)
-            if waiter.actor is not None:
-                self._release(waiter.actor)
-            raise
-        if waiter.error is not None:
-            raise waiter.error
-        assert waiter.actor is not None
-        return waiter.actor
-
-    def _release(self, actor: _Actor) -> None:
-        actor.in_flight -= 1
-        self._dispatch_waiters()
-
-    def _check_open(self) -> None:
-        if self._state == "open":
-            return
-        if self._state in ("closing", "closed"):
-            raise PoolClosed(f"the Ray pool {self.config.name!r} is closed")
-        raise PoolError(f"the Ray pool {self.config.name!r} is not started: use `async with`")
-
-    def _shortage(self, name: str, spec: RayToolConfig) -> ResourceUnavailable | None:
-        """The error for calls of a tool that needs more than an actor holds; None if it fits."""
-        held = self.config.actor_resources()
-        needed = spec.needs()
-        if all(held.get(res, 0.0) + 1e-9 >= amount for res, amount in needed.items()):
-            return None
-        return ResourceUnavailable(
-            f"tool {name!r} needs {render_resources(needed)}, but the actors of pool "
-            f"{self.config.name!r} each hold {render_resources(held)}",
-            needed=needed,
-            available=held,
-            backend="ray",
-        )
+    async def _wind_down(self) -> None:
+        for payload in list(self._payloads):
+            payload.release()
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -542,7 +387,7 @@ class RayBackend(Backend):
                     try:
                         value = await self._run_on(actor, tool, arguments, has_payloads)
                     except _ActorDied as died:
-                        self._actors.evict(actor, died.cause)
+                        self._evict(actor, died.cause)
                         if spec.idempotent and attempts == 1:
                             self._retries += 1
                             continue
@@ -598,10 +443,7 @@ class RayBackend(Backend):
             # Timed out or cancelled: stop the task, and keep the slot until it really ends.
             with contextlib.suppress(Exception):
                 ray.cancel(outcome_ref)
-            if self._tasks is not None and self._state == "open":
-                self._tasks.start_soon(self._settle, actor, outcome_ref)
-            else:
-                self._release(actor)
+            self._release_when_done(actor, outcome_ref)
             raise
         actor.served += 1
         self._release(actor)
@@ -613,13 +455,6 @@ class RayBackend(Backend):
         payload = PayloadRef(result_ref, body, producer=actor.name, tool=tool)
         self._payloads.add(payload)
         return payload
-
-    async def _settle(self, actor: _Actor, ref: Any) -> None:
-        try:
-            with contextlib.suppress(Exception):
-                await ref
-        finally:
-            self._release(actor)
 
 
 @functools.cache

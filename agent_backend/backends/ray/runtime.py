@@ -2,8 +2,8 @@
 
 One connection per process (:data:`CONNECTION`: who opened it, how many pools
 use it, closed by the last of them), loopback-only local clusters, the Ray
-exceptions that mean an actor is gone, and a short cause for an error
-message. Blocking calls (``ray.init``, ``ray.kill``) are meant for worker
+exceptions that mean an actor is gone, a short cause for an error message,
+and where actors go (their options, what the cluster and an actor hold). Blocking calls (``ray.init``, ``ray.kill``) are meant for worker
 threads.
 """
 
@@ -21,7 +21,8 @@ import anyio.to_thread
 import ray
 import ray.exceptions
 
-from agent_backend.errors import BackendUnavailable, ConfigError, clip
+from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
+from agent_backend.errors import BackendUnavailable, ConfigError, ResourceUnavailable, clip
 
 __all__ = [
     "ACTOR_DEATHS",
@@ -31,12 +32,14 @@ __all__ = [
     "ConnectConfig",
     "RayConnection",
     "actor_options",
+    "check_cluster",
     "connect",
     "describe_cause",
     "describe_when_ready",
     "kill_actors",
     "loopback_only",
     "render_resources",
+    "tool_shortage",
 ]
 
 #: The longest cause :func:`describe_cause` returns.
@@ -265,4 +268,40 @@ def render_resources(resources: Mapping[str, float]) -> str:
     return ", ".join(
         f"{name}={int(amount) if math.isclose(amount, round(amount)) else amount:g}"
         for name, amount in sorted(resources.items())
+    )
+
+
+def check_cluster(config: RayPoolConfig, total: Mapping[str, float]) -> None:
+    """Refuse, at start, actors that the whole cluster (``total``) could never hold."""
+    if config.autoscaling:
+        return
+    per_actor = config.actor_resources()
+    needed = {name: amount * config.replicas for name, amount in per_actor.items()}
+    short = {name for name, amount in needed.items() if total.get(name, 0.0) + 1e-9 < amount}
+    if short:
+        raise ResourceUnavailable(
+            f"pool {config.name!r} needs {render_resources(needed)} for {config.replicas} "
+            f"actor(s) of {render_resources(per_actor)}, but the cluster has "
+            f"{render_resources({name: total.get(name, 0.0) for name in sorted(needed)})} "
+            "(set autoscaling = true if nodes are added on demand)",
+            needed=needed,
+            available={name: float(total.get(name, 0.0)) for name in needed},
+            backend="ray",
+        )
+
+
+def tool_shortage(
+    config: RayPoolConfig, name: str, spec: RayToolConfig
+) -> ResourceUnavailable | None:
+    """The error for calls of a tool that needs more than an actor holds; None if it fits."""
+    held = config.actor_resources()
+    needed = spec.needs()
+    if all(held.get(res, 0.0) + 1e-9 >= amount for res, amount in needed.items()):
+        return None
+    return ResourceUnavailable(
+        f"tool {name!r} needs {render_resources(needed)}, but the actors of pool "
+        f"{config.name!r} each hold {render_resources(held)}",
+        needed=needed,
+        available=held,
+        backend="ray",
     )

@@ -37,13 +37,11 @@ import json
 import os
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any, Final, Literal, Self
+from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
-import aiohttp
 import anyio
 import anyio.from_thread
 import orjson
-from yarl import URL
 
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
@@ -60,6 +58,10 @@ from agent_backend.wire import (
     error_from_wire,
 )
 
+if TYPE_CHECKING:
+    import aiohttp
+    from yarl import URL
+
 __all__ = ["DEFAULT_URL", "Client", "RemoteSession", "SyncClient", "SyncSession"]
 
 #: Where ``agent-backend serve`` listens by default.
@@ -71,6 +73,9 @@ _IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # Below uvicorn's default keep-alive (5 s): an idle connection is dropped here first.
 _KEEPALIVE = 4.0
 _JSON = "application/json"
+_ROUTES = tuple(
+    f"{API_PREFIX}/{route}" for route in ("call", "batch", "sessions", "tools", "health/ready")
+)
 _Format = Literal["openai", "anthropic", "mcp"]
 
 
@@ -136,22 +141,10 @@ class Client(AsyncResource):
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._timeout = aiohttp.ClientTimeout(
-            total=None, connect=read_timeout, sock_connect=connect_timeout, sock_read=read_timeout
-        )
+        self._timeouts = (connect_timeout, read_timeout)
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
-        # Parsed once: building a URL costs more than most of a request's other steps.
-        self._urls = {
-            path: URL(self.url + path)
-            for path in (
-                f"{API_PREFIX}/call",
-                f"{API_PREFIX}/batch",
-                f"{API_PREFIX}/sessions",
-                f"{API_PREFIX}/tools",
-                f"{API_PREFIX}/health/ready",
-            )
-        }
+        self._urls: dict[str, URL] = {}
         self._closed = False
 
     def __repr__(self) -> str:
@@ -172,13 +165,25 @@ class Client(AsyncResource):
     # -- requests -----------------------------------------------------------------------------------
 
     def _session(self) -> aiohttp.ClientSession:
-        """The HTTP session, created on first use: aiohttp binds it to the running loop."""
+        """The HTTP session, created on first use: aiohttp binds it to the running loop.
+
+        aiohttp is imported here, not with the module: it takes longer to import than
+        the rest of the client, and code that only imports ``agent_backend`` never pays it.
+        """
         if self._closed:
             raise PoolClosed("the client is closed")
         if self._http is None:
+            import aiohttp
+            from yarl import URL
+
+            # Parsed once: building a URL costs more than most of a request's other steps.
+            self._urls = {path: URL(self.url + path) for path in _ROUTES}
+            connect, read = self._timeouts
             self._http = aiohttp.ClientSession(
                 headers=self._headers,
-                timeout=self._timeout,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=read, sock_connect=connect, sock_read=read
+                ),
                 # Keep cookies a proxy in front of the daemon sets, also when it is named by IP.
                 cookie_jar=aiohttp.CookieJar(unsafe=True),
                 connector=aiohttp.TCPConnector(
@@ -194,17 +199,34 @@ class Client(AsyncResource):
             host=self.url,
         )
 
+    def _url(self, path: str, params: Mapping[str, str] | None) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            from yarl import URL
+
+            url = URL(self.url + path)
+        return url.with_query(params) if params else url
+
     async def _send(
         self,
         method: str,
-        url: URL,
-        content: bytes | None,
-        headers: Mapping[str, str] | None,
+        path: str,
+        content: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        params: Mapping[str, str] | None = None,
     ) -> tuple[int, bytes, str | None]:
-        """One attempt: status, body and ``Retry-After``; aiohttp's errors pass through."""
-        async with self._session().request(method, url, data=content, headers=headers) as response:
-            body = await response.read()
-            return response.status, body, response.headers.get("Retry-After")
+        """One attempt: status, body and ``Retry-After``; aiohttp's errors become ours here."""
+        import aiohttp
+
+        http = self._session()
+        try:
+            async with http.request(
+                method, self._url(path, params), data=content, headers=headers
+            ) as response:
+                body = await response.read()
+                return response.status, body, response.headers.get("Retry-After")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise self._unreachable(exc) from None
 
     async def _request(
         self,
@@ -216,9 +238,6 @@ class Client(AsyncResource):
         params: Mapping[str, str] | None = None,
     ) -> bytes:
         """The answer's body after retries; a refusal raises its error class."""
-        url = self._urls.get(path) or URL(self.url + path)
-        if params:
-            url = url.with_query(params)
         headers: dict[str, str] | None = None
         content = None
         if body is not None:
@@ -236,10 +255,12 @@ class Client(AsyncResource):
             refused: int | None = None  # the status of a refusal worth a retry
             retry_after = None
             try:
-                status, answer, retry_after = await self._send(method, url, content, headers)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, answer, retry_after = await self._send(
+                    method, path, content, headers, params
+                )
+            except BackendUnavailable:
                 if attempt >= self.retries or not resendable:
-                    raise self._unreachable(exc) from None
+                    raise
             else:
                 if status < 400:
                     return answer
@@ -319,12 +340,7 @@ class Client(AsyncResource):
 
     async def ready(self) -> Readiness:
         """The daemon's readiness (not an error when it is not ready)."""
-        try:
-            status, answer, _ = await self._send(
-                "GET", self._urls[f"{API_PREFIX}/health/ready"], None, None
-            )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._unreachable(exc) from None
+        status, answer, _ = await self._send("GET", f"{API_PREFIX}/health/ready")
         if status in (200, 503):
             return Readiness.model_validate_json(answer)
         raise self._error(status, answer)

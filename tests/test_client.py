@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 import uuid
 from typing import Any
 
@@ -184,3 +186,12 @@ def test_an_unknown_or_hostile_type_is_never_imported() -> None:
     assert back.timeout == 2
     assert not hasattr(back, "evil")
     assert type(error_from_wire("not json", status=502)) is DaemonError
+
+
+def test_importing_the_client_does_not_load_aiohttp() -> None:
+    """aiohttp takes longer to import than the rest of the client: it loads on the first request."""
+    code = "import sys, agent_backend.client; print(sorted({'aiohttp', 'yarl'} & set(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert loaded.stdout.strip() == "[]"

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from agent_backend.rollout.logprobs import NonFinitePolicy, check_logprobs
     from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
     from agent_backend.rollout.pool import RolloutPool, RolloutStatistics
+    from agent_backend.rollout.ray_workers import RayRolloutWorkers
+    from agent_backend.rollout.runner import EpisodeRunner, EpisodeSummary, InProcessRunner
     from agent_backend.rollout.tokens import (
         SampledTokens,
         TokenPolicy,
@@ -42,11 +44,15 @@ __all__ = [
     "AssistantTurn",
     "ChatTemplate",
     "EpisodeConfig",
+    "EpisodeRunner",
+    "EpisodeSummary",
+    "InProcessRunner",
     "JsonlWriter",
     "NonFinitePolicy",
     "OpenAICompatiblePolicy",
     "ParquetWriter",
     "Policy",
+    "RayRolloutWorkers",
     "ResumeLedger",
     "RewardInput",
     "RolloutPool",
@@ -82,6 +88,10 @@ _HOME = {
     "check_logprobs": "logprobs",
     "RolloutPool": "pool",
     "RolloutStatistics": "pool",
+    "RayRolloutWorkers": "ray_workers",
+    "EpisodeRunner": "runner",
+    "EpisodeSummary": "runner",
+    "InProcessRunner": "runner",
     "batches": "trainers",
     "episode_rows": "trainers",
     "is_placeholder": "trainers",

@@ -38,8 +38,10 @@ The ledger is used from the event loop only; file I/O (writer, checkpoint)
 runs in worker threads. The pool's bookkeeping reads only an
 :class:`EpisodeSummary` of each episode, so that records kept in Ray's object
 store (``stream(..., as_refs=True)``) are never fetched into this process.
-Scale-out on Ray lives in :mod:`agent_backend.rollout.ray_workers`, imported
-on first use: importing this module never imports Ray. This module must
+The pool runs every episode through one
+:class:`~agent_backend.rollout.runner.EpisodeRunner`, in this process or on
+Ray workers (:mod:`agent_backend.rollout.ray_workers`, which imports Ray and
+is loaded on first use): importing this module never imports Ray. This module must
 never mark a prompt trained before its group was taken durably, nor count a
 dropped group as trained.
 """
@@ -64,16 +66,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import RolloutError
 from agent_backend.lifecycle import AsyncResource
-from agent_backend.rollout.episode import (
-    EpisodeConfig,
-    EpisodeIds,
-    RewardFunction,
-    prompt_messages,
-    run_episode,
-)
+from agent_backend.rollout.episode import EpisodeIds, RewardFunction, prompt_messages
 from agent_backend.rollout.ledger import ResumeLedger
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
+from agent_backend.rollout.runner import Episode, EpisodeRunner, EpisodeSummary, episode_runner
 from agent_backend.rollout.trajectory import Trajectory
 from agent_backend.rollout.writers import TrajectoryWriter
 from agent_backend.tools import ToolRegistry
@@ -81,6 +78,7 @@ from agent_backend.tools import ToolRegistry
 if TYPE_CHECKING:
     from ray import ObjectRef
 
+    from agent_backend.rollout.episode import EpisodeConfig
     from agent_backend.rollout.ray_workers import RayRolloutWorkers, RolloutWorker
 
 __all__ = [
@@ -94,7 +92,8 @@ __all__ = [
     "RolloutWorker",
 ]
 
-# Defined in agent_backend.rollout.ray_workers (which imports Ray), re-exported here on first use.
+# Defined in agent_backend.rollout.ray_workers (which imports Ray and this module's runner, never
+# this module), re-exported here on first use for the importers of their old home.
 _RAY_NAMES: Final = frozenset({"RayRolloutWorkers", "RolloutWorker"})
 
 
@@ -156,56 +155,44 @@ class RolloutStatistics:
         return self.episodes_done / self.elapsed if self.elapsed > 0 else 0.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class EpisodeSummary:
-    """What the pool's bookkeeping reads of a finished episode, without its records.
+@dataclasses.dataclass(slots=True)
+class _Tally:
+    """The pool's running counts (what :class:`RolloutStatistics` reports)."""
 
-    Small and free of :class:`Trajectory` objects: with batches by reference,
-    a Ray rollout worker returns it beside the records, which stay in Ray's
-    object store, and the driver reads only this.
-    """
+    running: int = 0
+    done: int = 0
+    failed: int = 0
+    delivered: int = 0
+    dropped: int = 0
+    groups_failed: int = 0
+    rollouts_dropped: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    stop_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
+    rewrites: int = 0
+    split: int = 0
 
-    stop_reason: str
-    error: str | None
-    num_turns: int
-    tool_calls: int
-    tool_failures: int
-    dropped: bool
-    """Dropped for non-finite logprobs (the ``drop`` policy): counted, never delivered."""
-    policy_version_start: int
-    """The oldest ``policy_version_start`` of its records (what staleness is measured from)."""
-    records: int
-    """Its records (segments)."""
-    history_rewrites: int = 0
-    """Times its chat template rewrote history (chat mode): ``records - 1``."""
-
-    @classmethod
-    def of(cls, records: Sequence[Trajectory]) -> EpisodeSummary:
-        first = records[0]
-        return cls(
-            stop_reason=first.stop_reason,
-            error=first.error,
-            num_turns=first.num_turns,
-            tool_calls=first.tool_calls,
-            tool_failures=first.tool_failures,
-            dropped=bool(first.extras.get("dropped")),
-            policy_version_start=min(t.policy_version_start for t in records),
-            records=len(records),
-            history_rewrites=int(first.extras.get("history_rewrites", 0)),
-        )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Episode:
-    summary: EpisodeSummary
-    items: list[Any]
-    """What a consumer gets of it: its records, or (by reference) one ObjectRef to them."""
+    def count(self, summary: EpisodeSummary) -> None:
+        """An episode ended."""
+        self.done += 1
+        self.turns += summary.num_turns
+        self.tool_calls += summary.tool_calls
+        self.tool_failures += summary.tool_failures
+        self.stop_reasons[summary.stop_reason] += 1
+        if summary.history_rewrites:
+            self.rewrites += summary.history_rewrites
+            self.split += 1
+        if summary.stop_reason in FAILED_STOP_REASONS:
+            self.failed += 1
+        if summary.dropped:
+            self.rollouts_dropped += 1
 
 
 @dataclasses.dataclass(slots=True)
 class _Group:
     index: int
-    episodes: list[_Episode]
+    episodes: list[Episode]
     attempts: int
 
     @property
@@ -271,7 +258,7 @@ class RolloutPool(AsyncResource):
         policy: Policy | None,
         dispatcher: Dispatcher | None,
         *,
-        workers: RayRolloutWorkers | None = None,
+        workers: EpisodeRunner | None = None,
         tools: ToolRegistry | Sequence[Mapping[str, Any]] | None = None,
         reward: RewardFunction | None = None,
         n: int = 8,
@@ -288,9 +275,10 @@ class RolloutPool(AsyncResource):
         Args:
             policy: samples the turns (:class:`~agent_backend.rollout.policy.Policy`).
             dispatcher: an open dispatcher; every episode opens its session on it.
-            workers: started :class:`RayRolloutWorkers` that run the episodes instead
-                (then ``policy``, ``dispatcher``, ``tools``, ``reward`` and ``episode``
-                are the workers' own and must not be given here).
+            workers: started :class:`RayRolloutWorkers` (or another
+                :class:`~agent_backend.rollout.runner.EpisodeRunner`) that run the episodes
+                instead (then ``policy``, ``dispatcher``, ``tools``, ``reward`` and
+                ``episode`` are the workers' own and must not be given here).
             tools: the tools offered (default: the dispatcher's registry).
             reward: scores each finished episode (default: 0.0).
             n: samples per prompt (the GRPO group size).
@@ -314,41 +302,12 @@ class RolloutPool(AsyncResource):
             raise ValueError("group_retries must be >= 0")
         if max_failed_groups is not None and max_failed_groups < 1:
             raise ValueError("max_failed_groups must be >= 1 (or None)")
-        if workers is not None:
-            given = [
-                name
-                for name, value in (
-                    ("policy", policy),
-                    ("dispatcher", dispatcher),
-                    ("tools", tools),
-                    ("reward", reward),
-                    ("episode", episode),
-                )
-                if value is not None
-            ]
-            if given:
-                raise ValueError(
-                    f"with Ray workers, {', '.join(given)} belong to the workers "
-                    "(RayRolloutWorkers(...)), not to the pool"
-                )
-            episode = workers.episode
-        elif policy is None or dispatcher is None:
-            raise ValueError("a RolloutPool needs a policy and a dispatcher, or Ray workers")
-        self.policy = policy
-        self.dispatcher = dispatcher
-        self.workers = workers
-        self._tools: list[dict[str, Any]] = []
-        if dispatcher is not None:
-            registry = tools if tools is not None else dispatcher.registry
-            self._tools = (
-                registry.to_openai()
-                if isinstance(registry, ToolRegistry)
-                else [dict(t) for t in registry]
-            )
-        self.reward = reward
+        self.runner = episode_runner(
+            policy, dispatcher, workers=workers, tools=tools, reward=reward, episode=episode
+        )
+        self.episode_config = self.runner.episode
         self.n = n
         self.concurrency = concurrency
-        self.episode_config = episode or EpisodeConfig()
         self.max_staleness = max_staleness
         self.group_retries = group_retries
         self.max_failed_groups = max_failed_groups
@@ -366,19 +325,7 @@ class RolloutPool(AsyncResource):
         self._limiter = anyio.CapacityLimiter(concurrency)
         self._run_id = secrets.token_hex(4)
         self._started: float | None = None
-        self._running = 0
-        self._done = 0
-        self._failed = 0
-        self._delivered = 0
-        self._dropped = 0
-        self._groups_failed = 0
-        self._rollouts_dropped = 0
-        self._turns = 0
-        self._tool_calls = 0
-        self._tool_failures = 0
-        self._stop_reasons: Counter[str] = Counter()
-        self._rewrites = 0
-        self._split = 0
+        self._tally = _Tally()
         self._active = False
         self._closed = False
 
@@ -397,31 +344,33 @@ class RolloutPool(AsyncResource):
 
     def statistics(self) -> RolloutStatistics:
         elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
+        t = self._tally
         return RolloutStatistics(
-            episodes_done=self._done,
-            episodes_failed=self._failed,
-            episodes_running=self._running,
-            groups_delivered=self._delivered,
-            groups_dropped=self._dropped,
-            groups_failed=self._groups_failed,
-            rollouts_dropped=self._rollouts_dropped,
-            turns=self._turns,
-            tool_calls=self._tool_calls,
-            tool_failures=self._tool_failures,
+            episodes_done=t.done,
+            episodes_failed=t.failed,
+            episodes_running=t.running,
+            groups_delivered=t.delivered,
+            groups_dropped=t.dropped,
+            groups_failed=t.groups_failed,
+            rollouts_dropped=t.rollouts_dropped,
+            turns=t.turns,
+            tool_calls=t.tool_calls,
+            tool_failures=t.tool_failures,
             elapsed=elapsed,
-            stop_reasons=dict(self._stop_reasons),
+            stop_reasons=dict(t.stop_reasons),
             non_finite=self.counters.snapshot(),
             policy_version=self._version,
-            history_rewrites=self._rewrites,
-            episodes_split=self._split,
+            history_rewrites=t.rewrites,
+            episodes_split=t.split,
         )
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else (" running" if self._active else "")
+        t = self._tally
         return (
-            f"<RolloutPool n={self.n} [episodes: {self._running} running, {self._done} done,"
-            f" {self._failed} failed | groups: {self._delivered} delivered,"
-            f" {self._dropped} dropped] version={self._version}{state}>"
+            f"<RolloutPool n={self.n} [episodes: {t.running} running, {t.done} done,"
+            f" {t.failed} failed | groups: {t.delivered} delivered,"
+            f" {t.dropped} dropped] version={self._version}{state}>"
         )
 
     async def aclose(self) -> None:
@@ -458,7 +407,7 @@ class RolloutPool(AsyncResource):
 
     async def _episode(
         self, run: _Run, prompt: Any, index: int, sample: int, attempt: int
-    ) -> _Episode:
+    ) -> Episode:
         group_id = f"{self._run_id}-p{index}" + (f"-a{attempt}" if attempt else "")
         ids = EpisodeIds(
             rollout_id=f"{group_id}-s{sample}",
@@ -467,49 +416,21 @@ class RolloutPool(AsyncResource):
             sample_idx=sample,
         )
         async with self._limiter:
-            self._running += 1
+            self._tally.running += 1
             try:
-                if self.workers is not None and run.by_reference:
-                    summary, ref = await self.workers.run_episode_by_reference(
-                        prompt, ids, self._version
-                    )
-                    episode = _Episode(summary, [ref])
-                elif self.workers is not None:
-                    records = await self.workers.run_episode(prompt, ids, self._version)
-                    episode = _Episode(EpisodeSummary.of(records), records)
-                else:
-                    assert self.policy is not None
-                    assert self.dispatcher is not None
-                    records = await run_episode(
-                        prompt,
-                        policy=self.policy,
-                        dispatcher=self.dispatcher,
-                        tools=self._tools,
-                        reward=self.reward,
-                        config=self.episode_config,
-                        ids=ids,
-                        policy_version=lambda: self._version,
-                    )
-                    episode = _Episode(EpisodeSummary.of(records), records)
+                episode = await self.runner.run(
+                    prompt,
+                    ids,
+                    policy_version=lambda: self._version,
+                    by_reference=run.by_reference,
+                )
             finally:
-                self._running -= 1
-        summary = episode.summary
-        self._done += 1
-        self._turns += summary.num_turns
-        self._tool_calls += summary.tool_calls
-        self._tool_failures += summary.tool_failures
-        self._stop_reasons[summary.stop_reason] += 1
-        if summary.history_rewrites:
-            self._rewrites += summary.history_rewrites
-            self._split += 1
-        if summary.stop_reason in FAILED_STOP_REASONS:
-            self._failed += 1
-        if summary.dropped:
-            self._rollouts_dropped += 1
+                self._tally.running -= 1
+        self._tally.count(episode.summary)
         return episode
 
     async def _sample_group(self, run: _Run, prompt: Any, index: int, attempt: int) -> _Group:
-        episodes: list[_Episode | None] = [None] * self.n
+        episodes: list[Episode | None] = [None] * self.n
 
         async def one(sample: int) -> None:
             episodes[sample] = await self._episode(run, prompt, index, sample, attempt)
@@ -632,12 +553,12 @@ class RolloutPool(AsyncResource):
             records: list[Trajectory] = []
             if reason is not None:
                 ledger.mark_dropped(group.index, reason)
-                self._dropped += 1
+                self._tally.dropped += 1
             else:
                 records = group.deliverable()
                 await anyio.to_thread.run_sync(writer.write_group, records)
                 ledger.mark_trained([group.index])
-                self._delivered += 1
+                self._tally.delivered += 1
             # Shielded: a group written and marked is also checkpointed, even on Ctrl-C
             # (a few milliseconds; otherwise it would be cut from the file and redone).
             with anyio.CancelScope(shield=True):
@@ -654,7 +575,7 @@ class RolloutPool(AsyncResource):
         return None
 
     def _defer(self, group: _Group, deferred: list[int], failed_in_a_row: int) -> int:
-        self._groups_failed += 1
+        self._tally.groups_failed += 1
         deferred.append(group.index)
         failed_in_a_row += 1
         if self.max_failed_groups is not None and failed_in_a_row >= self.max_failed_groups:
@@ -752,7 +673,7 @@ class RolloutPool(AsyncResource):
     ) -> AsyncIterator[RolloutStream[Any]]:
         if groups_per_batch < 1:
             raise ValueError("groups_per_batch must be at least 1")
-        if as_refs and self.workers is None:
+        if as_refs and not self.runner.supports_refs:
             raise ValueError(
                 "batches by reference (as_refs=True) need Ray workers: RolloutPool(workers=...)"
             )
@@ -821,7 +742,7 @@ class RolloutStream(Generic[_Item]):
         """The trainer took the last batch: mark its prompts trained."""
         if self._taken:
             self.ledger.mark_trained(self._taken)
-            self._pool._delivered += len(self._taken)
+            self._pool._tally.delivered += len(self._taken)
             self._taken = []
 
     async def __anext__(self) -> list[_Item]:
@@ -840,7 +761,7 @@ class RolloutStream(Generic[_Item]):
             reason = pool._drop_reason(group)
             if reason is not None:
                 self.ledger.mark_dropped(group.index, reason)
-                pool._dropped += 1
+                pool._tally.dropped += 1
                 continue
             groups.append(group)
         if not groups:

@@ -19,7 +19,7 @@ the run stops (its ledger consistent).
 
 By reference (``RolloutPool.stream(..., as_refs=True)``), a worker returns
 two objects per episode: a small
-:class:`~agent_backend.rollout.pool.EpisodeSummary`, which the driver reads,
+:class:`~agent_backend.rollout.runner.EpisodeSummary`, which the driver reads,
 and the records, which stay in Ray's object store. They are a task's return
 value, so the driver owns them (not the worker: a worker that dies later
 does not take them along), and Ray frees them once the driver and every
@@ -66,7 +66,7 @@ from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
-from agent_backend.rollout.pool import EpisodeSummary
+from agent_backend.rollout.runner import Episode, EpisodeSummary
 from agent_backend.rollout.trajectory import Trajectory
 from agent_backend.tools import ToolRegistry
 
@@ -402,6 +402,25 @@ class RayRolloutWorkers(ActorSupervisor[_Worker]):
             await worker.handle.close.remote()
 
     # -- episodes --------------------------------------------------------------------------------
+
+    supports_refs: Final = True
+
+    async def run(
+        self,
+        prompt: Any,
+        ids: EpisodeIds,
+        *,
+        policy_version: Callable[[], int],
+        by_reference: bool = False,
+    ) -> Episode:
+        """One episode for a :class:`~agent_backend.rollout.pool.RolloutPool` (the
+        :class:`~agent_backend.rollout.runner.EpisodeRunner` protocol): the policy version
+        when it starts; by reference, its summary and one ref to its records."""
+        version = policy_version()
+        if by_reference:
+            summary, ref = await self.run_episode_by_reference(prompt, ids, version)
+            return Episode(summary, [ref])
+        return Episode.of(await self.run_episode(prompt, ids, version))
 
     async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
         """One episode on the least-loaded live worker: its records (fetched into this process).

@@ -4,9 +4,9 @@ A call takes a lease (a channel slot on one connection), opens a channel, and
 waits for the command to end, its deadline, a cancellation or the pool's stop;
 in the last three cases every remote process of the call is ended (TERM,
 grace, KILL: sshd "signal" plus ``kill`` of every process carrying the call's
-token), then the channel is closed. Commands of a lost connection keep running
-under sshd (no pty, no SIGHUP); they are killed by token over the next
-connection ("orphans").
+token; :class:`~.remote.RemoteKills`), then the channel is closed. Commands of
+a lost connection keep running under sshd (no pty, no SIGHUP); they are killed
+by token over the next connection ("orphans").
 
 This module must never leave a remote process of a timed-out or cancelled call
 running, let an asyncssh exception reach a caller, or remove a path it did not
@@ -42,7 +42,7 @@ from agent_backend.backends.ssh.channel import (
     wait_closed,
 )
 from agent_backend.backends.ssh.config import SSHHostConfig, SSHHostStats
-from agent_backend.backends.ssh.pool import ConnectionPool
+from agent_backend.backends.ssh.pool import CallOwner, ConnectionPool
 from agent_backend.backoff import backoff_delay
 from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host, Output
 from agent_backend.errors import BackendUnavailable, PoolClosed, ToolTimeout, WorkerLost
@@ -51,22 +51,7 @@ __all__ = ["SSHHost"]
 
 logger = logging.getLogger("agent_backend.backends.ssh")
 
-# Bounds of the shielded cleanup steps (seconds).
-_KILL_WAIT = 2.0
-_SIGNAL_CHANNEL_TIMEOUT = 2.0
-_FINAL_CLEANUP_TIMEOUT = 5.0
-
-
-class _Call:
-    """The owner of a call's leases."""
-
-    __slots__ = ("token",)
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def __repr__(self) -> str:
-        return f"<call {self.token}>"
+_FINAL_CLEANUP_TIMEOUT = 5.0  # seconds
 
 
 class SSHHost(Host):
@@ -79,20 +64,24 @@ class SSHHost(Host):
         self.name = f"{self.username}@{self.address}"
         self._connector = SSHConnector(config, self.username, self.name)
         self.pool: ConnectionPool[SSHConnection] = ConnectionPool(
-            self.name, config, self._connector, on_added=self._schedule_orphan_cleanup
+            self.name, config, self._connector, on_added=self._connection_added
         )
         """The connection pool (its state machine; read-only for callers)."""
         self._files = remote.RemoteFiles(self._script, self.name)
         self._in_flight = 0  # calls inside _execute
         self._running: set[_CommandChannel] = set()  # their remote commands, while they run
         self._calls_done = anyio.Event()
-        self._orphans: list[str] = []  # tokens of calls lost with their connection
-        self._orphan_killer = False
+        self._kills = remote.RemoteKills(
+            self.pool,
+            self._maintenance,
+            host=self.name,
+            kill_grace=config.kill_grace,
+            orphan_timeout=config.file_op_timeout,
+        )
         self._workspaces: set[str] = set()
         self._instance = secrets.token_hex(4)
         self._call_ids = itertools.count(1)
         self._calls_started = 0
-        self._remote_kills = 0
         if config.insecure_skip_host_key_check:
             logger.warning(
                 "%s: host key verification is OFF (insecure_skip_host_key_check = true); "
@@ -131,7 +120,7 @@ class SSHHost(Host):
             connections_reaped=pool.connections_reaped,
             channel_refusals=pool.channel_refusals,
             calls=self._calls_started,
-            remote_kills=self._remote_kills,
+            remote_kills=self._kills.count,
             consecutive_failures=pool.consecutive_failures,
             workspaces=len(self._workspaces),
         )
@@ -176,7 +165,7 @@ class SSHHost(Host):
     async def _shutdown(self) -> None:
         """Close every connection (the caller shields this); leave nothing remote behind."""
         connections = self.pool.take_all()
-        if self._orphans or self._workspaces:
+        if self._kills.orphans or self._workspaces:
             await self._final_cleanup([c for c in connections if not c.lost])
         for connection in connections:
             connection.conn.close()
@@ -186,7 +175,8 @@ class SSHHost(Host):
 
     async def _final_cleanup(self, live: list[SSHConnection]) -> None:
         """Kill orphans of lost connections and remove workspaces left by unfinished sessions."""
-        parts = [remote.kill_script(self._orphans, "KILL")] if self._orphans else []
+        orphans = self._kills.orphans
+        parts = [remote.kill_script(orphans, "KILL")] if orphans else []
         if self._workspaces:
             paths = " ".join(shlex.quote(p) for p in sorted(self._workspaces))
             parts.append(f"chmod -R u+rwx -- {paths} 2>/dev/null; rm -rf -- {paths}")
@@ -201,9 +191,9 @@ class SSHHost(Host):
                 with contextlib.suppress(BackendUnavailable):
                     connection = await self._connector.connect()
             if connection is not None:
-                channel = await self._maintenance(connection, line, within=_FINAL_CLEANUP_TIMEOUT)
+                channel = await self._maintenance(connection, line, _FINAL_CLEANUP_TIMEOUT)
                 if channel is not None and channel.exit_status == 0:
-                    self._orphans.clear()
+                    self._kills.orphans.clear()
                     self._workspaces.clear()
                 if one_off:
                     connection.conn.close()
@@ -266,7 +256,7 @@ class SSHHost(Host):
         deadline: float,
         limits: tuple[int, int],
     ) -> CommandResult:
-        owner = _Call(token)
+        owner = CallOwner(token)
         pool = self.pool
         refusals = 0
         while True:
@@ -315,8 +305,11 @@ class SSHHost(Host):
             connection, line, limits, host=self.name, open_timeout=self.config.connect_timeout
         )
 
+    def _connection_added(self) -> None:
+        self._kills.schedule_orphan_cleanup()
+
     async def _maintenance(
-        self, connection: SSHConnection, line: str, *, within: float
+        self, connection: SSHConnection, line: str, within: float
     ) -> _CommandChannel | None:
         return await run_maintenance(
             connection,
@@ -353,14 +346,14 @@ class SSHHost(Host):
                 await protocol.wake.wait()
             except BaseException:  # the caller was cancelled: no remote orphan
                 with anyio.CancelScope(shield=True):
-                    await self._terminate(connection, channel, protocol, token)
+                    await self._kills.terminate(connection, channel, protocol, token)
                 raise
             finally:
                 timer.cancel()
             terminated = not protocol.closed.is_set()  # timed out, or the pool is stopping
             if terminated:
                 with anyio.CancelScope(shield=True):
-                    await self._terminate(connection, channel, protocol, token)
+                    await self._kills.terminate(connection, channel, protocol, token)
         finally:
             connection.open_channels -= 1
             self._running.discard(protocol)
@@ -369,7 +362,7 @@ class SSHHost(Host):
         timed_out = terminated
         ended = protocol.exit_status is not None or protocol.exit_signal is not None
         if not ended and (connection.lost or not timed_out):
-            self._note_orphan(token)  # its processes may still run remotely
+            self._kills.note_orphan(token)  # its processes may still run remotely
             cause = describe(protocol.error) if protocol.error is not None else "channel closed"
             raise WorkerLost(
                 f"connection #{connection.serial} to {self.name} was lost during the call ({cause})",
@@ -397,93 +390,6 @@ class SSHHost(Host):
             timed_out=True,
             host=self.name,
         )
-
-    # -- remote kills and orphans -------------------------------------------------------------
-
-    async def _terminate(
-        self,
-        connection: SSHConnection,
-        channel: asyncssh.SSHClientChannel[bytes],
-        protocol: _CommandChannel,
-        token: str,
-    ) -> None:
-        """End every remote process of the call: TERM, grace, KILL; then close the channel.
-
-        Each signal goes both as an SSH "signal" request (sshd honours it for
-        non-root logins, to the session's process group) and by ``kill`` on a
-        second channel to every process carrying the call's token and to their
-        process groups (always works, and reaches children that left the group).
-        The KILL sweep runs even when TERM ended the command, for anything that
-        ignored TERM in the background. Bounded; the caller shields it.
-        """
-        self._remote_kills += 1
-        with anyio.move_on_after(self.config.kill_grace + 3 * _KILL_WAIT):
-            for signame, wait in (("TERM", self.config.kill_grace), ("KILL", _KILL_WAIT)):
-                if connection.lost:
-                    break
-                if not protocol.closed.is_set():
-                    with contextlib.suppress(OSError, asyncssh.Error, ValueError):
-                        channel.send_signal(signame)
-                await self._signal_calls(connection, [token], signame)
-                with anyio.move_on_after(wait):
-                    await protocol.closed.wait()
-        if connection.lost or not protocol.closed.is_set():
-            self._note_orphan(token)
-        with contextlib.suppress(OSError, asyncssh.Error):
-            channel.close()
-
-    async def _signal_calls(
-        self, preferred: SSHConnection, tokens: Sequence[str], signame: str
-    ) -> None:
-        """Run the kill script on ``preferred``, else on another live connection of the host."""
-        line = remote.kill_script(tokens, signame)
-        others = [c for c in self.pool.table.resources() if c is not preferred]
-        for connection in (preferred, *others):
-            if connection.lost:
-                continue
-            channel = await self._maintenance(connection, line, within=_SIGNAL_CHANNEL_TIMEOUT)
-            if channel is not None:
-                return
-
-    def _note_orphan(self, token: str) -> None:
-        self._orphans.append(token)
-        self._schedule_orphan_cleanup()
-
-    def _schedule_orphan_cleanup(self) -> None:
-        if self._orphans and not self._orphan_killer and self.pool.is_open():
-            self._orphan_killer = True
-            self.pool.spawn(self._kill_orphans, "orphan cleanup")
-
-    async def _kill_orphans(self) -> None:
-        """Kill the processes of calls lost with their connection, on spare capacity only.
-
-        Never queues (queueing would look like demand and open a connection): it
-        takes a free slot when nobody waits, else tries again shortly.
-        """
-        pool = self.pool
-        try:
-            owner = _Call("orphan-cleanup")
-            give_up = time.monotonic() + self.config.file_op_timeout
-            # With no connection left, stop: the next one adopted schedules this again.
-            while self._orphans and pool.is_open() and pool.table and time.monotonic() < give_up:
-                lease = pool.try_acquire(owner)
-                if lease is None:
-                    await anyio.sleep(0.05)
-                    continue
-                orphans, self._orphans = self._orphans, []
-                script = remote.kill_script(orphans, "KILL")
-                try:
-                    channel = await self._maintenance(
-                        lease.resource, script, within=self.config.file_op_timeout
-                    )
-                finally:
-                    pool.release(lease)
-                if channel is None or channel.exit_status != 0:
-                    self._orphans.extend(orphans)
-                    logger.warning("%s: could not kill orphaned remote commands", self.name)
-                return
-        finally:
-            self._orphan_killer = False
 
     # -- files --------------------------------------------------------------------------------
 

@@ -40,25 +40,25 @@ stop began, or hand out a connection that left the table.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import logging
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Generic, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.abc
 
 from agent_backend.backends._errors import describe
+from agent_backend.backends.ssh.background import Background
 from agent_backend.backends.ssh.config import SSHHostSettings
 from agent_backend.dispatch.leases import Lease, LeaseTable
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
-__all__ = ["CAPACITY_COOLDOWN", "ConnectionPool", "Connector", "PooledConnection"]
+__all__ = ["CAPACITY_COOLDOWN", "CallOwner", "ConnectionPool", "Connector", "PooledConnection"]
 
 logger = logging.getLogger("agent_backend.backends.ssh")
 
@@ -115,6 +115,18 @@ class Connector(Protocol[C]):
         ...
 
 
+class CallOwner:
+    """The owner of one call's leases."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __repr__(self) -> str:
+        return f"<call {self.token}>"
+
+
 class _Waiter(Generic[C]):
     __slots__ = ("error", "event", "lease", "owner")
 
@@ -151,11 +163,8 @@ class ConnectionPool(Generic[C]):
         self._waiters: deque[_Waiter[C]] = deque()
         self.connecting = 0
         """Connector tasks started and not finished."""
-        self.unstarted = 0
-        """Background tasks spawned and not yet running (the supervisor lets them start)."""
-        self._deferred: list[tuple[Callable[[], Awaitable[None]], str]] = []
-        self._deferred_ready = asyncio.Event()
-        self._tg: anyio.abc.TaskGroup | None = None
+        self.background = Background(name, self.is_open)
+        """Where the pool's (and its host's) background work starts."""
         self._handshake_slots = anyio.Semaphore(settings.max_concurrent_handshakes)
         self._next_handshake_at = 0.0
         self._backoff_until = 0.0
@@ -169,6 +178,11 @@ class ConnectionPool(Generic[C]):
         self.channel_refusals = 0
 
     # -- predicates ---------------------------------------------------------------------------
+
+    @property
+    def unstarted(self) -> int:
+        """Background tasks spawned and not yet running (the supervisor lets them start)."""
+        return self.background.unstarted
 
     @property
     def table(self) -> LeaseTable[C]:
@@ -199,11 +213,10 @@ class ConnectionPool(Generic[C]):
     def start(self, tg: anyio.abc.TaskGroup) -> None:
         if self.state != "new":
             raise PoolClosed(f"{self.name} was closed while starting")
-        self._tg = tg
         self.state = "open"
-        self.spawn(self._spawn_deferred_forever, "spawner")
+        self.background.attach(tg)
         if self._table.idle_ttl is not None:
-            self.spawn(self._reap_forever, "reaper")
+            self.background.spawn(self._reap_forever, "reaper")
 
     def begin_close(self) -> None:
         """Synchronously: refuse new leases and connections, fail waiters."""
@@ -304,7 +317,7 @@ class ConnectionPool(Generic[C]):
             waiter = waiters.popleft()
             waiter.lease = lease
             waiter.event.set()
-        if not waiters or self.state != "open" or self.down or self._tg is None:
+        if not waiters or self.state != "open" or self.down or not self.background.is_attached():
             return
         demand = len(waiters) - self.connecting * self.capacity
         room = self.settings.max_connections - len(self._table) - self.connecting
@@ -312,7 +325,7 @@ class ConnectionPool(Generic[C]):
             self.connecting += 1
             demand -= self.capacity
             room -= 1
-            self.spawn(self._connector, "connector")
+            self.background.spawn(self._connector, "connector")
 
     def _fail_waiters(self, make_error: Callable[[], Exception]) -> None:
         while self._waiters:
@@ -321,37 +334,6 @@ class ConnectionPool(Generic[C]):
             waiter.event.set()
 
     # -- background work ----------------------------------------------------------------------
-
-    def spawn(self, work: Callable[[], Awaitable[None]], what: str) -> None:
-        """Start background work in the backend's task group.
-
-        From a transport callback (asyncssh's ``connection_lost`` runs outside any
-        task, where anyio cannot spawn) the work is handed to
-        :meth:`_spawn_deferred_forever`. ``unstarted`` counts tasks spawned but not
-        yet running: the supervisor lets them start before it cancels the group, so
-        that no coroutine is dropped unstarted (its cleanup, such as a connector's
-        accounting, runs).
-        """
-        assert self._tg is not None
-        if asyncio.current_task() is None:
-            self._deferred.append((work, what))
-            self._deferred_ready.set()
-            return
-        self.unstarted += 1
-        self._tg.start_soon(self._background, work, name=f"ssh {what} {self.name}")
-
-    async def _spawn_deferred_forever(self) -> None:
-        while True:
-            await self._deferred_ready.wait()
-            self._deferred_ready.clear()
-            deferred, self._deferred = self._deferred, []
-            if self.is_open():  # else: closing, and take_all() settles the accounting
-                for work, what in deferred:
-                    self.spawn(work, what)
-
-    async def _background(self, work: Callable[[], Awaitable[None]]) -> None:
-        self.unstarted -= 1
-        await work()
 
     async def _connector(self) -> None:
         """Open one connection for queued demand (never raises: it runs in the task group)."""
@@ -440,7 +422,7 @@ class ConnectionPool(Generic[C]):
                 f"{self.name} is down: {self.last_error}", backend="ssh", host=self.name
             )
         )
-        self.spawn(self._probe_until_up, "probe")
+        self.background.spawn(self._probe_until_up, "probe")
 
     async def _probe_until_up(self) -> None:
         while self.is_open() and self.down:

@@ -6,32 +6,49 @@ token (``/proc/*/environ``), which also proves they are ours (no pid reuse can
 make it kill a stranger). File operations are fixed scripts run as
 ``/bin/sh -c SCRIPT sh ARGS...``: arguments are never spliced into a script.
 
+A timed-out, cancelled or stopped call's processes are ended by
+:class:`RemoteKills` (TERM, grace, KILL); commands of a lost connection keep
+running under sshd (no pty, no SIGHUP) and are killed by token over the next
+connection, on spare capacity only.
+
 Remote hosts need a POSIX shell and GNU coreutils/findutils/procps (any Linux).
-This module builds text and parses replies; it must never open a channel itself
-(it runs scripts through the host's ``RunScript``).
+This module must never splice an argument into a script, signal a process that
+does not carry one of our call tokens, or queue for a channel to kill orphans
+(queueing would look like demand and open a connection).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import posixpath
 import shlex
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal, Protocol
 
+import anyio
+import asyncssh
+
+from agent_backend.backends.ssh.channel import SSHConnection, _CommandChannel
 from agent_backend.backends.ssh.config import ENV_NAME
+from agent_backend.backends.ssh.pool import CallOwner, ConnectionPool
 from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData
 from agent_backend.errors import BackendUnavailable, clip
 
 __all__ = [
     "CALL_VAR",
     "RemoteFiles",
+    "RemoteKills",
     "RunScript",
     "command_line",
     "kill_script",
     "script_line",
 ]
+
+logger = logging.getLogger("agent_backend.backends.ssh")
 
 CALL_VAR = "AGENT_BACKEND_CALL"
 
@@ -251,3 +268,119 @@ class RemoteFiles:
             entries.append(DirEntry(name, resolved, int(size) if resolved == "file" else 0))
         entries.sort(key=lambda entry: entry.name)
         return entries
+
+
+# -- remote kills and orphans -----------------------------------------------------------------
+
+Maintenance = Callable[[SSHConnection, str, float], Awaitable[_CommandChannel | None]]
+"""Run a short command on a connection outside the lease table, within a bound; None: failed."""
+
+# Bounds of the shielded kill steps (seconds).
+_KILL_WAIT = 2.0
+_SIGNAL_CHANNEL_TIMEOUT = 2.0
+
+
+class RemoteKills:
+    """Ends the remote processes of a host's calls: on timeout, cancellation and stop, and
+    the orphans that calls lost with their connection left running under sshd."""
+
+    def __init__(
+        self,
+        pool: ConnectionPool[SSHConnection],
+        maintenance: Maintenance,
+        *,
+        host: str,
+        kill_grace: float,
+        orphan_timeout: float,
+    ) -> None:
+        self._pool = pool
+        self._maintenance = maintenance
+        self._host = host
+        self._kill_grace = kill_grace
+        self._orphan_timeout = orphan_timeout
+        self.orphans: list[str] = []
+        """Tokens of calls whose processes may still run remotely."""
+        self.count = 0
+        """Calls whose remote processes were ended (timeout, cancellation, stop)."""
+        self._killer = False
+
+    async def terminate(
+        self,
+        connection: SSHConnection,
+        channel: asyncssh.SSHClientChannel[bytes],
+        protocol: _CommandChannel,
+        token: str,
+    ) -> None:
+        """End every remote process of the call: TERM, grace, KILL; then close the channel.
+
+        Each signal goes both as an SSH "signal" request (sshd honours it for
+        non-root logins, to the session's process group) and by ``kill`` on a
+        second channel to every process carrying the call's token and to their
+        process groups (always works, and reaches children that left the group).
+        The KILL sweep runs even when TERM ended the command, for anything that
+        ignored TERM in the background. Bounded; the caller shields it.
+        """
+        self.count += 1
+        with anyio.move_on_after(self._kill_grace + 3 * _KILL_WAIT):
+            for signame, wait in (("TERM", self._kill_grace), ("KILL", _KILL_WAIT)):
+                if connection.lost:
+                    break
+                if not protocol.closed.is_set():
+                    with contextlib.suppress(OSError, asyncssh.Error, ValueError):
+                        channel.send_signal(signame)
+                await self._signal(connection, [token], signame)
+                with anyio.move_on_after(wait):
+                    await protocol.closed.wait()
+        if connection.lost or not protocol.closed.is_set():
+            self.note_orphan(token)
+        with contextlib.suppress(OSError, asyncssh.Error):
+            channel.close()
+
+    async def _signal(self, preferred: SSHConnection, tokens: Sequence[str], signame: str) -> None:
+        """Run the kill script on ``preferred``, else on another live connection of the host."""
+        line = kill_script(tokens, signame)
+        others = [c for c in self._pool.table.resources() if c is not preferred]
+        for connection in (preferred, *others):
+            if connection.lost:
+                continue
+            channel = await self._maintenance(connection, line, _SIGNAL_CHANNEL_TIMEOUT)
+            if channel is not None:
+                return
+
+    def note_orphan(self, token: str) -> None:
+        self.orphans.append(token)
+        self.schedule_orphan_cleanup()
+
+    def schedule_orphan_cleanup(self) -> None:
+        if self.orphans and not self._killer and self._pool.is_open():
+            self._killer = True
+            self._pool.background.spawn(self._kill_orphans, "orphan cleanup")
+
+    async def _kill_orphans(self) -> None:
+        """Kill the processes of calls lost with their connection, on spare capacity only.
+
+        Never queues (queueing would look like demand and open a connection): it
+        takes a free slot when nobody waits, else tries again shortly.
+        """
+        pool = self._pool
+        try:
+            owner = CallOwner("orphan-cleanup")
+            give_up = time.monotonic() + self._orphan_timeout
+            # With no connection left, stop: the next one adopted schedules this again.
+            while self.orphans and pool.is_open() and pool.table and time.monotonic() < give_up:
+                lease = pool.try_acquire(owner)
+                if lease is None:
+                    await anyio.sleep(0.05)
+                    continue
+                orphans, self.orphans = self.orphans, []
+                script = kill_script(orphans, "KILL")
+                try:
+                    channel = await self._maintenance(lease.resource, script, self._orphan_timeout)
+                finally:
+                    pool.release(lease)
+                if channel is None or channel.exit_status != 0:
+                    self.orphans.extend(orphans)
+                    logger.warning("%s: could not kill orphaned remote commands", self._host)
+                return
+        finally:
+            self._killer = False

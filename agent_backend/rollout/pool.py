@@ -49,12 +49,10 @@ dropped group as trained.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import secrets
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Self, TypeVar, overload
 
@@ -66,9 +64,16 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import RolloutError
 from agent_backend.lifecycle import AsyncResource
+from agent_backend.rollout.bookkeeping import (
+    FAILED_STOP_REASONS,
+    Group,
+    RolloutStatistics,
+    Run,
+    Tally,
+)
 from agent_backend.rollout.episode import EpisodeIds, RewardFunction, prompt_messages
 from agent_backend.rollout.ledger import ResumeLedger
-from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
+from agent_backend.rollout.logprobs import NonFiniteCounters
 from agent_backend.rollout.policy import Policy
 from agent_backend.rollout.runner import Episode, EpisodeRunner, EpisodeSummary, episode_runner
 from agent_backend.rollout.trajectory import Trajectory
@@ -105,143 +110,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-#: Stop reasons of episodes that failed (the others ended as the policy or a limit decided).
-FAILED_STOP_REASONS: Final[frozenset[str]] = frozenset(
-    {"timeout", "tool_error", "env_error", "rollout_error"}
-)
-# A group made only of these carries no learning signal: the infrastructure failed.
-_INFRA_FAILURES: Final[frozenset[str]] = frozenset({"env_error", "rollout_error"})
 #: The key of a checkpoint's ``extra`` that holds the writer's durable position.
 WRITER_POSITION: Final[str] = "writer_position"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RolloutStatistics:
-    """What a pool did so far (a snapshot: :meth:`RolloutPool.statistics`)."""
-
-    episodes_done: int
-    """Episodes finished, whatever their stop reason."""
-    episodes_failed: int
-    """Of those, episodes that failed (timeout, tool_error, env_error, rollout_error)."""
-    episodes_running: int
-    groups_delivered: int
-    """Groups taken durably by the writer or the trainer (their prompts are trained)."""
-    groups_dropped: int
-    """Groups dropped as stale at delivery (their prompts are dropped, never trained)."""
-    groups_failed: int
-    """Groups whose every episode failed, even after retries: left for a later run."""
-    rollouts_dropped: int
-    """Episodes dropped for non-finite logprobs (the ``drop`` policy); not delivered."""
-    turns: int
-    tool_calls: int
-    tool_failures: int
-    elapsed: float
-    """Seconds since the first run or stream of this pool started (0 before)."""
-    stop_reasons: Mapping[str, int]
-    non_finite: NonFiniteStats
-    policy_version: int
-    history_rewrites: int = 0
-    """Times a chat template re-rendered history differently from what was sampled (chat
-    mode; each started a new segment). Token-in/token-out runs have none."""
-    episodes_split: int = 0
-    """Episodes that came back as more than one record because of those rewrites."""
-
-    @property
-    def tool_calls_per_second(self) -> float:
-        return self.tool_calls / self.elapsed if self.elapsed > 0 else 0.0
-
-    @property
-    def episodes_per_second(self) -> float:
-        return self.episodes_done / self.elapsed if self.elapsed > 0 else 0.0
-
-
-@dataclasses.dataclass(slots=True)
-class _Tally:
-    """The pool's running counts (what :class:`RolloutStatistics` reports)."""
-
-    running: int = 0
-    done: int = 0
-    failed: int = 0
-    delivered: int = 0
-    dropped: int = 0
-    groups_failed: int = 0
-    rollouts_dropped: int = 0
-    turns: int = 0
-    tool_calls: int = 0
-    tool_failures: int = 0
-    stop_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
-    rewrites: int = 0
-    split: int = 0
-
-    def count(self, summary: EpisodeSummary) -> None:
-        """An episode ended."""
-        self.done += 1
-        self.turns += summary.num_turns
-        self.tool_calls += summary.tool_calls
-        self.tool_failures += summary.tool_failures
-        self.stop_reasons[summary.stop_reason] += 1
-        if summary.history_rewrites:
-            self.rewrites += summary.history_rewrites
-            self.split += 1
-        if summary.stop_reason in FAILED_STOP_REASONS:
-            self.failed += 1
-        if summary.dropped:
-            self.rollouts_dropped += 1
-
-
-@dataclasses.dataclass(slots=True)
-class _Group:
-    index: int
-    episodes: list[Episode]
-    attempts: int
-
-    @property
-    def oldest_version(self) -> int:
-        return min((e.summary.policy_version_start for e in self.episodes), default=0)
-
-    def all_failed(self) -> bool:
-        return bool(self.episodes) and all(
-            e.summary.stop_reason in _INFRA_FAILURES and not e.summary.dropped
-            for e in self.episodes
-        )
-
-    def deliverable(self) -> list[Any]:
-        """What to deliver: every episode's records (or refs) but those dropped for non-finite
-        logprobs."""
-        return [item for e in self.episodes if not e.summary.dropped for item in e.items]
-
-
-class _Run:
-    """One run or stream: its prompts and ledger, and the first failure of any of its tasks.
-
-    A task that fails records its error and cancels the whole run (every task
-    is started through :meth:`guard`), so the error comes out of ``run()`` or
-    ``stream()`` as itself, not wrapped in nested exception groups.
-    """
-
-    def __init__(
-        self, prompts: Sequence[Any], ledger: ResumeLedger, *, by_reference: bool = False
-    ) -> None:
-        self.prompts = prompts
-        self.ledger = ledger
-        self.by_reference = by_reference
-        self.scope: anyio.CancelScope | None = None
-        self.errors: list[Exception] = []
-
-    async def guard(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
-        try:
-            await function(*args)
-        except Exception as exc:
-            self.errors.append(exc)
-            if self.scope is not None:
-                self.scope.cancel()
-
-    def raise_first(self) -> None:
-        if self.errors:
-            first = self.errors[0]
-            if len(self.errors) > 1:
-                first.add_note(f"{len(self.errors) - 1} more error(s) ended this run too")
-            raise first
 
 
 class RolloutPool(AsyncResource):
@@ -325,7 +195,7 @@ class RolloutPool(AsyncResource):
         self._limiter = anyio.CapacityLimiter(concurrency)
         self._run_id = secrets.token_hex(4)
         self._started: float | None = None
-        self._tally = _Tally()
+        self._tally = Tally()
         self._active = False
         self._closed = False
 
@@ -344,24 +214,8 @@ class RolloutPool(AsyncResource):
 
     def statistics(self) -> RolloutStatistics:
         elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
-        t = self._tally
-        return RolloutStatistics(
-            episodes_done=t.done,
-            episodes_failed=t.failed,
-            episodes_running=t.running,
-            groups_delivered=t.delivered,
-            groups_dropped=t.dropped,
-            groups_failed=t.groups_failed,
-            rollouts_dropped=t.rollouts_dropped,
-            turns=t.turns,
-            tool_calls=t.tool_calls,
-            tool_failures=t.tool_failures,
-            elapsed=elapsed,
-            stop_reasons=dict(t.stop_reasons),
-            non_finite=self.counters.snapshot(),
-            policy_version=self._version,
-            history_rewrites=t.rewrites,
-            episodes_split=t.split,
+        return self._tally.statistics(
+            elapsed=elapsed, non_finite=self.counters.snapshot(), policy_version=self._version
         )
 
     def __repr__(self) -> str:
@@ -393,7 +247,7 @@ class RolloutPool(AsyncResource):
 
     # -- sampling ---------------------------------------------------------------------------------
 
-    def _stale(self, group: _Group) -> str | None:
+    def _stale(self, group: Group) -> str | None:
         """Why ``group`` is too old to deliver now, or None when it is fresh enough."""
         if self.max_staleness is None:
             return None
@@ -406,7 +260,7 @@ class RolloutPool(AsyncResource):
         )
 
     async def _episode(
-        self, run: _Run, prompt: Any, index: int, sample: int, attempt: int
+        self, run: Run, prompt: Any, index: int, sample: int, attempt: int
     ) -> Episode:
         group_id = f"{self._run_id}-p{index}" + (f"-a{attempt}" if attempt else "")
         ids = EpisodeIds(
@@ -429,7 +283,7 @@ class RolloutPool(AsyncResource):
         self._tally.count(episode.summary)
         return episode
 
-    async def _sample_group(self, run: _Run, prompt: Any, index: int, attempt: int) -> _Group:
+    async def _sample_group(self, run: Run, prompt: Any, index: int, attempt: int) -> Group:
         episodes: list[Episode | None] = [None] * self.n
 
         async def one(sample: int) -> None:
@@ -439,14 +293,14 @@ class RolloutPool(AsyncResource):
             for sample in range(self.n):
                 group.start_soon(run.guard, one, sample)
         # A sample missing here failed its task, which cancelled the run: the group is not sent.
-        return _Group(index, [e for e in episodes if e is not None], attempts=attempt + 1)
+        return Group(index, [e for e in episodes if e is not None], attempts=attempt + 1)
 
     async def _run_group(
         self,
-        run: _Run,
+        run: Run,
         prompt: Any,
         index: int,
-        send: MemoryObjectSendStream[_Group],
+        send: MemoryObjectSendStream[Group],
         slots: anyio.Semaphore,
     ) -> None:
         try:
@@ -460,7 +314,7 @@ class RolloutPool(AsyncResource):
         finally:
             slots.release()
 
-    async def _produce(self, run: _Run, send: MemoryObjectSendStream[_Group]) -> None:
+    async def _produce(self, run: Run, send: MemoryObjectSendStream[Group]) -> None:
         """Claim prompts as slots free up; each group samples in its own task."""
         slots = anyio.Semaphore(self._groups_at_once)
         async with send, anyio.create_task_group() as group:
@@ -522,9 +376,9 @@ class RolloutPool(AsyncResource):
         self._check_prompts(prompts)
         self._begin(prompts, ledger)
         deferred: list[int] = []
-        run = _Run(prompts, ledger)
+        run = Run(prompts, ledger)
         try:
-            send, receive = anyio.create_memory_object_stream[_Group](self.max_buffered_groups)
+            send, receive = anyio.create_memory_object_stream[Group](self.max_buffered_groups)
             async with receive, anyio.create_task_group() as tasks:
                 run.scope = tasks.cancel_scope
                 tasks.start_soon(run.guard, self._produce, run, send, name="rollout producer")
@@ -537,7 +391,7 @@ class RolloutPool(AsyncResource):
 
     async def _write_all(
         self,
-        receive: MemoryObjectReceiveStream[_Group],
+        receive: MemoryObjectReceiveStream[Group],
         ledger: ResumeLedger,
         writer: TrajectoryWriter,
         deferred: list[int],
@@ -566,7 +420,7 @@ class RolloutPool(AsyncResource):
             if on_group is not None and records:
                 on_group(records)
 
-    def _drop_reason(self, group: _Group) -> str | None:
+    def _drop_reason(self, group: Group) -> str | None:
         stale = self._stale(group)
         if stale is not None:
             return stale
@@ -574,7 +428,7 @@ class RolloutPool(AsyncResource):
             return "dropped: every rollout had non-finite logprobs"
         return None
 
-    def _defer(self, group: _Group, deferred: list[int], failed_in_a_row: int) -> int:
+    def _defer(self, group: Group, deferred: list[int], failed_in_a_row: int) -> int:
         self._tally.groups_failed += 1
         deferred.append(group.index)
         failed_in_a_row += 1
@@ -681,11 +535,11 @@ class RolloutPool(AsyncResource):
         if ledger is None:
             ledger = ResumeLedger(Path("<memory>"), num_prompts=len(prompts))
         self._begin(prompts, ledger)
-        run = _Run(prompts, ledger, by_reference=as_refs)
+        run = Run(prompts, ledger, by_reference=as_refs)
         # The trainer's own error, raised as itself after the task group (which would wrap it).
         trainer_error: BaseException | None = None
         try:
-            send, receive = anyio.create_memory_object_stream[_Group](self.max_buffered_groups)
+            send, receive = anyio.create_memory_object_stream[Group](self.max_buffered_groups)
             # The receiving end closes after the tasks ended, so a group being sent
             # at the end is cancelled, not refused (which would read as an error).
             async with receive, anyio.create_task_group() as tasks:
@@ -720,7 +574,7 @@ class RolloutStream(Generic[_Item]):
     def __init__(
         self,
         pool: RolloutPool,
-        receive: MemoryObjectReceiveStream[_Group],
+        receive: MemoryObjectReceiveStream[Group],
         ledger: ResumeLedger,
         groups_per_batch: int,
     ) -> None:
@@ -748,7 +602,7 @@ class RolloutStream(Generic[_Item]):
     async def __anext__(self) -> list[_Item]:
         self._commit()
         pool = self._pool
-        groups: list[_Group] = []
+        groups: list[Group] = []
         while len(groups) < self._groups_per_batch:
             try:
                 group = await self._receive.receive()

@@ -1,0 +1,181 @@
+"""What a rollout pool counts and carries: its statistics, a sampled group, one run's errors.
+
+Plain data and synchronous bookkeeping for :mod:`agent_backend.rollout.pool`
+(which re-exports :class:`RolloutStatistics` and :data:`FAILED_STOP_REASONS`):
+the :class:`Tally` of episodes and groups, a :class:`Group` of episodes as
+sampled, and the :class:`Run` that keeps the first failure of a run's tasks.
+This module must never do I/O nor import Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final
+
+import anyio
+
+from agent_backend.rollout.ledger import ResumeLedger
+from agent_backend.rollout.logprobs import NonFiniteStats
+from agent_backend.rollout.runner import Episode, EpisodeSummary
+
+__all__ = ["FAILED_STOP_REASONS", "INFRA_FAILURES", "Group", "RolloutStatistics", "Run", "Tally"]
+
+#: Stop reasons of episodes that failed (the others ended as the policy or a limit decided).
+FAILED_STOP_REASONS: Final[frozenset[str]] = frozenset(
+    {"timeout", "tool_error", "env_error", "rollout_error"}
+)
+#: Stop reasons that are the infrastructure's failures: a group made only of these carries no
+#: learning signal.
+INFRA_FAILURES: Final[frozenset[str]] = frozenset({"env_error", "rollout_error"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RolloutStatistics:
+    """What a pool did so far (a snapshot: :meth:`RolloutPool.statistics`)."""
+
+    episodes_done: int
+    """Episodes finished, whatever their stop reason."""
+    episodes_failed: int
+    """Of those, episodes that failed (timeout, tool_error, env_error, rollout_error)."""
+    episodes_running: int
+    groups_delivered: int
+    """Groups taken durably by the writer or the trainer (their prompts are trained)."""
+    groups_dropped: int
+    """Groups dropped as stale at delivery (their prompts are dropped, never trained)."""
+    groups_failed: int
+    """Groups whose every episode failed, even after retries: left for a later run."""
+    rollouts_dropped: int
+    """Episodes dropped for non-finite logprobs (the ``drop`` policy); not delivered."""
+    turns: int
+    tool_calls: int
+    tool_failures: int
+    elapsed: float
+    """Seconds since the first run or stream of this pool started (0 before)."""
+    stop_reasons: Mapping[str, int]
+    non_finite: NonFiniteStats
+    policy_version: int
+    history_rewrites: int = 0
+    """Times a chat template re-rendered history differently from what was sampled (chat
+    mode; each started a new segment). Token-in/token-out runs have none."""
+    episodes_split: int = 0
+    """Episodes that came back as more than one record because of those rewrites."""
+
+    @property
+    def tool_calls_per_second(self) -> float:
+        return self.tool_calls / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def episodes_per_second(self) -> float:
+        return self.episodes_done / self.elapsed if self.elapsed > 0 else 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class Tally:
+    """The pool's running counts (what :class:`RolloutStatistics` reports)."""
+
+    running: int = 0
+    done: int = 0
+    failed: int = 0
+    delivered: int = 0
+    dropped: int = 0
+    groups_failed: int = 0
+    rollouts_dropped: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_failures: int = 0
+    stop_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
+    rewrites: int = 0
+    split: int = 0
+
+    def count(self, summary: EpisodeSummary) -> None:
+        """An episode ended."""
+        self.done += 1
+        self.turns += summary.num_turns
+        self.tool_calls += summary.tool_calls
+        self.tool_failures += summary.tool_failures
+        self.stop_reasons[summary.stop_reason] += 1
+        if summary.history_rewrites:
+            self.rewrites += summary.history_rewrites
+            self.split += 1
+        if summary.stop_reason in FAILED_STOP_REASONS:
+            self.failed += 1
+        if summary.dropped:
+            self.rollouts_dropped += 1
+
+    def statistics(
+        self, *, elapsed: float, non_finite: NonFiniteStats, policy_version: int
+    ) -> RolloutStatistics:
+        return RolloutStatistics(
+            episodes_done=self.done,
+            episodes_failed=self.failed,
+            episodes_running=self.running,
+            groups_delivered=self.delivered,
+            groups_dropped=self.dropped,
+            groups_failed=self.groups_failed,
+            rollouts_dropped=self.rollouts_dropped,
+            turns=self.turns,
+            tool_calls=self.tool_calls,
+            tool_failures=self.tool_failures,
+            elapsed=elapsed,
+            stop_reasons=dict(self.stop_reasons),
+            non_finite=non_finite,
+            policy_version=policy_version,
+            history_rewrites=self.rewrites,
+            episodes_split=self.split,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class Group:
+    index: int
+    episodes: list[Episode]
+    attempts: int
+
+    @property
+    def oldest_version(self) -> int:
+        return min((e.summary.policy_version_start for e in self.episodes), default=0)
+
+    def all_failed(self) -> bool:
+        return bool(self.episodes) and all(
+            e.summary.stop_reason in INFRA_FAILURES and not e.summary.dropped for e in self.episodes
+        )
+
+    def deliverable(self) -> list[Any]:
+        """What to deliver: every episode's records (or refs) but those dropped for non-finite
+        logprobs."""
+        return [item for e in self.episodes if not e.summary.dropped for item in e.items]
+
+
+class Run:
+    """One run or stream: its prompts and ledger, and the first failure of any of its tasks.
+
+    A task that fails records its error and cancels the whole run (every task
+    is started through :meth:`guard`), so the error comes out of ``run()`` or
+    ``stream()`` as itself, not wrapped in nested exception groups.
+    """
+
+    def __init__(
+        self, prompts: Sequence[Any], ledger: ResumeLedger, *, by_reference: bool = False
+    ) -> None:
+        self.prompts = prompts
+        self.ledger = ledger
+        self.by_reference = by_reference
+        self.scope: anyio.CancelScope | None = None
+        self.errors: list[Exception] = []
+
+    async def guard(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        try:
+            await function(*args)
+        except Exception as exc:
+            self.errors.append(exc)
+            if self.scope is not None:
+                self.scope.cancel()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            first = self.errors[0]
+            if len(self.errors) > 1:
+                first.add_note(f"{len(self.errors) - 1} more error(s) ended this run too")
+            raise first

@@ -96,7 +96,7 @@ class SSHBackend(Backend):
                 # Let tasks spawned just before stop start first (each then sees the
                 # pool closing and ends), so that none is cancelled before it ran.
                 for _ in range(1000):
-                    if not any(host.pool.unstarted for host in self._hosts):
+                    if not any(host.pool.background.unstarted for host in self._hosts):
                         break
                     await anyio.lowlevel.checkpoint()
                 tg.cancel_scope.cancel()

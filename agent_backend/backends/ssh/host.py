@@ -24,7 +24,7 @@ import logging
 import secrets
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import anyio
 import anyio.abc
@@ -42,7 +42,7 @@ from agent_backend.backends.ssh.channel import (
     wait_closed,
 )
 from agent_backend.backends.ssh.config import SSHHostConfig, SSHHostStats
-from agent_backend.backends.ssh.pool import CallOwner, ConnectionPool
+from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.backoff import backoff_delay
 from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host, Output
 from agent_backend.errors import BackendUnavailable, PoolClosed, ToolTimeout, WorkerLost
@@ -256,7 +256,7 @@ class SSHHost(Host):
         deadline: float,
         limits: tuple[int, int],
     ) -> CommandResult:
-        owner = CallOwner(token)
+        owner = remote.CallOwner(token)
         pool = self.pool
         refusals = 0
         while True:
@@ -393,25 +393,25 @@ class SSHHost(Host):
 
     # -- files --------------------------------------------------------------------------------
 
-    async def _script(
-        self,
-        script: str,
-        args: Sequence[str],
-        *,
-        what: str,
-        stdin: bytes | None = None,
-        limit: int = 1 << 20,
-    ) -> CommandResult:
+    async def _script(self, script: remote.Script) -> CommandResult:
         timeout = self.config.file_op_timeout
         line_for = functools.partial(
-            remote.script_line, script, args, base_env=self.config.env, stdin=stdin is not None
+            remote.script_line,
+            script.script,
+            script.args,
+            base_env=self.config.env,
+            stdin=script.stdin is not None,
         )
         result = await self._execute(
-            line_for, stdin=stdin, time_limit=timeout, stdout_limit=limit, stderr_limit=4096
+            line_for,
+            stdin=script.stdin,
+            time_limit=timeout,
+            stdout_limit=script.limit,
+            stderr_limit=4096,
         )
         if result.timed_out:
             raise ToolTimeout(
-                f"{what} on {self.name} did not finish within {timeout:g} s",
+                f"{script.what} on {self.name} did not finish within {timeout:g} s",
                 timeout=timeout,
                 backend="ssh",
                 host=self.name,

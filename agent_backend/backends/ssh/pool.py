@@ -58,7 +58,7 @@ from agent_backend.backends.ssh.config import SSHHostSettings
 from agent_backend.dispatch.leases import Lease, LeaseTable
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
-__all__ = ["CAPACITY_COOLDOWN", "CallOwner", "ConnectionPool", "Connector", "PooledConnection"]
+__all__ = ["CAPACITY_COOLDOWN", "ConnectionPool", "Connector", "PooledConnection"]
 
 logger = logging.getLogger("agent_backend.backends.ssh")
 
@@ -115,18 +115,6 @@ class Connector(Protocol[C]):
         ...
 
 
-class CallOwner:
-    """The owner of one call's leases."""
-
-    __slots__ = ("token",)
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-
-    def __repr__(self) -> str:
-        return f"<call {self.token}>"
-
-
 class _Waiter(Generic[C]):
     __slots__ = ("error", "event", "lease", "owner")
 
@@ -178,11 +166,6 @@ class ConnectionPool(Generic[C]):
         self.channel_refusals = 0
 
     # -- predicates ---------------------------------------------------------------------------
-
-    @property
-    def unstarted(self) -> int:
-        """Background tasks spawned and not yet running (the supervisor lets them start)."""
-        return self.background.unstarted
 
     @property
     def table(self) -> LeaseTable[C]:

@@ -20,6 +20,7 @@ does not carry one of our call tokens, or queue for a channel to kill orphans
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -27,22 +28,24 @@ import posixpath
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal, Protocol
+from typing import Literal
 
 import anyio
 import asyncssh
 
 from agent_backend.backends.ssh.channel import SSHConnection, _CommandChannel
 from agent_backend.backends.ssh.config import ENV_NAME
-from agent_backend.backends.ssh.pool import CallOwner, ConnectionPool
+from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData
 from agent_backend.errors import BackendUnavailable, clip
 
 __all__ = [
     "CALL_VAR",
+    "CallOwner",
     "RemoteFiles",
     "RemoteKills",
     "RunScript",
+    "Script",
     "command_line",
     "kill_script",
     "script_line",
@@ -90,6 +93,18 @@ _LIST_DIR = (
     ' exec find "$1" -mindepth 1 -maxdepth 1 -printf "%y %s %f\\0"'
 )
 _LIST_LIMIT = 16 << 20
+
+
+class CallOwner:
+    """The owner of one call's leases."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def __repr__(self) -> str:
+        return f"<call {self.token}>"
 
 
 # -- command lines ----------------------------------------------------------------------------
@@ -175,18 +190,21 @@ def kill_script(tokens: Sequence[str], signame: str) -> str:
 # -- file operations --------------------------------------------------------------------------
 
 
-class RunScript(Protocol):
-    async def __call__(
-        self,
-        script: str,
-        args: Sequence[str],
-        *,
-        what: str,
-        stdin: bytes | None = None,
-        limit: int = 1 << 20,
-    ) -> CommandResult:
-        """Run a file-operation script on the host (a timeout raises ToolTimeout)."""
-        ...
+@dataclasses.dataclass(frozen=True, slots=True)
+class Script:
+    """One file operation: a fixed script and its arguments."""
+
+    script: str
+    args: tuple[str, ...]
+    what: str
+    """What it does, for error messages ("reading a file")."""
+    stdin: bytes | None = None
+    limit: int = 1 << 20
+    """Bytes of stdout kept."""
+
+
+RunScript = Callable[[Script], Awaitable[CommandResult]]
+"""Runs a script on the host (a timeout raises ToolTimeout)."""
 
 
 def _absolute(path: str) -> str:
@@ -211,7 +229,7 @@ class RemoteFiles:
 
     async def make_workspace(self, root: str) -> str:
         """A new mode-0700 directory under ``root``; its resolved path."""
-        result = await self._run(_MAKE_WORKSPACE, (root,), what="making a workspace")
+        result = await self._run(Script(_MAKE_WORKSPACE, (root,), "making a workspace"))
         lines = result.stdout.data.decode("utf-8", "surrogateescape").splitlines()
         if result.exit_status != 0 or len(lines) != 2:
             raise BackendUnavailable(
@@ -223,12 +241,12 @@ class RemoteFiles:
         return lines[1]
 
     async def remove_tree(self, path: str) -> None:
-        result = await self._run(_REMOVE_TREE, (path,), what="removing a workspace")
+        result = await self._run(Script(_REMOVE_TREE, (path,), "removing a workspace"))
         if result.exit_status != 0:
             raise self._error(result, path, "removing a workspace")
 
     async def realpath(self, path: str) -> str:
-        result = await self._run(_REALPATH, (_absolute(path),), what="realpath")
+        result = await self._run(Script(_REALPATH, (_absolute(path),), "realpath"))
         if result.exit_status != 0:
             raise self._error(result, path, "realpath")
         return result.stdout.data.decode("utf-8", "surrogateescape").removesuffix("\n")
@@ -237,7 +255,7 @@ class RemoteFiles:
         if limit < 0:
             raise ValueError("limit must be >= 0")
         result = await self._run(
-            _READ_FILE, (_absolute(path), str(limit)), what="reading a file", limit=limit + 64
+            Script(_READ_FILE, (_absolute(path), str(limit)), "reading a file", limit=limit + 64)
         )
         if result.exit_status != 0:
             raise self._error(result, path, "reading a file")
@@ -247,13 +265,15 @@ class RemoteFiles:
         return FileData(data, int(size_line))
 
     async def write_file(self, path: str, data: bytes) -> None:
-        result = await self._run(_WRITE_FILE, (_absolute(path),), what="writing a file", stdin=data)
+        result = await self._run(
+            Script(_WRITE_FILE, (_absolute(path),), "writing a file", stdin=data)
+        )
         if result.exit_status != 0:
             raise self._error(result, path, "writing a file")
 
     async def list_dir(self, path: str) -> list[DirEntry]:
         result = await self._run(
-            _LIST_DIR, (_absolute(path),), what="listing a directory", limit=_LIST_LIMIT
+            Script(_LIST_DIR, (_absolute(path),), "listing a directory", limit=_LIST_LIMIT)
         )
         if result.exit_status != 0:
             raise self._error(result, path, "listing a directory")

@@ -126,9 +126,9 @@ class Client(AsyncResource):
             backoff: seconds before the first retry; doubled each time (with jitter).
             max_backoff: the longest wait between attempts, a server's ``Retry-After`` included.
             connect_timeout: seconds to open a TCP connection to the daemon.
-            read_timeout: seconds to wait for an answer (and for a free connection);
-                a call runs up to its tool's timeout, so keep this above the daemon's
-                ``max_timeout``.
+            read_timeout: seconds one attempt may take, from the wait for a free connection
+                to the end of the answer; a call runs up to its tool's timeout, so keep this
+                above the daemon's ``max_timeout``.
             max_connections: connections to the daemon open at once (more calls wait).
         """
         if retries < 0 or backoff < 0 or max_backoff < 0:
@@ -181,9 +181,9 @@ class Client(AsyncResource):
             connect, read = self._timeouts
             self._http = aiohttp.ClientSession(
                 headers=self._headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=read, sock_connect=connect, sock_read=read
-                ),
+                # One timer per request (total), as aiohttp's default: a per-read timer
+                # is rescheduled on every chunk received, which costs CPU on each call.
+                timeout=aiohttp.ClientTimeout(total=read, sock_connect=connect),
                 # Keep cookies a proxy in front of the daemon sets, also when it is named by IP.
                 cookie_jar=aiohttp.CookieJar(unsafe=True),
                 connector=aiohttp.TCPConnector(

@@ -39,7 +39,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
 import aiohttp
@@ -60,7 +60,7 @@ TOKEN = "bench-token-" + "x" * 24
 CONCURRENCY = (1, 16, 64)
 # Client vs a plain aiohttp session: rounds at each of these, and the bar on the median ratio.
 COMPARED = (1, 16)
-ROUNDS = 8
+ROUNDS = 20
 RATIO_BAR = 0.95
 # The daemon's process, whose CPU time the daemon rows report.
 SERVER: subprocess.Popen[str] | None = None
@@ -188,9 +188,13 @@ async def in_process(
         return await load(concurrency, total, one, warmup=200)
 
 
-async def through_daemon(
+Caller = Callable[[int], Awaitable[bool]]
+
+
+@contextlib.asynccontextmanager
+async def client_calls(
     url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
-) -> Run:
+) -> AsyncIterator[Caller]:
     """agent_backend.Client, one per concurrent caller, each with one keep-alive connection."""
     async with contextlib.AsyncExitStack() as stack:
         clients = [
@@ -206,12 +210,13 @@ async def through_daemon(
                 return False
             return result.ok
 
-        return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
+        yield one
 
 
-async def through_aiohttp(
+@contextlib.asynccontextmanager
+async def plain_calls(
     url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
-) -> Run:
+) -> AsyncIterator[Caller]:
     """A plain aiohttp ``ClientSession`` doing the Client's per-call work, by hand.
 
     One session per concurrent caller, each with one keep-alive connection, as
@@ -239,27 +244,51 @@ async def through_aiohttp(
                     return False
             return ToolResult.model_validate_json(answer).ok
 
+        yield one
+
+
+async def through_daemon(
+    url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
+) -> Run:
+    async with client_calls(url, tool, arguments, concurrency, total) as one:
+        return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
+
+
+async def through_aiohttp(
+    url: str, tool: str, arguments: Mapping[str, object], concurrency: int, total: int
+) -> Run:
+    async with plain_calls(url, tool, arguments, concurrency, total) as one:
         return await load(concurrency, total, one, warmup=200, server_pid=_server_pid())
 
 
 async def client_vs_plain(
     url: str, concurrency: int, total: int, rounds: int
 ) -> tuple[list[float], list[Run], list[Run]]:
-    """Alternating rounds of Client and the plain session; the ratio of each round."""
+    """Client and the plain session, both open and warm, in alternating short rounds.
+
+    Short rounds on connections kept open keep the two close in time, so that a
+    burst of load from other processes falls on both alike; which goes first
+    alternates. Returns the ratio of each round (Client's calls/s over the plain's).
+    """
     echo = {"value": "hello"}
     ratios: list[float] = []
     clients: list[Run] = []
     plains: list[Run] = []
-    for index in range(rounds):
-        if index % 2 == 0:
-            client = await through_daemon(url, "echo", echo, concurrency, total)
-            plain = await through_aiohttp(url, "echo", echo, concurrency, total)
-        else:
-            plain = await through_aiohttp(url, "echo", echo, concurrency, total)
-            client = await through_daemon(url, "echo", echo, concurrency, total)
-        clients.append(client)
-        plains.append(plain)
-        ratios.append(client.rate / plain.rate)
+    async with (
+        client_calls(url, "echo", echo, concurrency, total) as client,
+        plain_calls(url, "echo", echo, concurrency, total) as plain,
+    ):
+        for one in (client, plain):
+            for i in range(200):
+                await one(i)
+        for index in range(rounds):
+            pair: list[Run] = []
+            for one in (client, plain) if index % 2 == 0 else (plain, client):
+                pair.append(await load(concurrency, total, one, warmup=0))
+            ours, theirs = pair if index % 2 == 0 else pair[::-1]
+            clients.append(ours)
+            plains.append(theirs)
+            ratios.append(ours.rate / theirs.rate)
     return ratios, clients, plains
 
 
@@ -374,7 +403,7 @@ async def main(quick: bool) -> int:
             " alternating rounds (ratio: Client's calls/s over the plain session's):"
         )
         for concurrency in COMPARED:
-            total = int((1500 if concurrency == 1 else 4000) * scale)
+            total = int((500 if concurrency == 1 else 1600) * scale)
             ratios, clients, plains = await client_vs_plain(url, concurrency, total, rounds)
             median = statistics.median(ratios)
             cpu = statistics.median(

@@ -37,6 +37,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check agent_backend tests bench setup.py
 	$(BIN)/ruff format --check agent_backend tests bench setup.py
+	$(BIN)/lint-imports
 
 # With the trainers installed: the integrations are checked against their real types.
 typecheck: $(TRAINERS)

@@ -35,8 +35,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agent_backend.errors import PolicyError, clip
-from agent_backend.tools import ToolCall
-from agent_backend.tools.calls import from_hermes, parse_tool_calls
+from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
 
 __all__ = ["ChatTemplate"]
 

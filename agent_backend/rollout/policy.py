@@ -57,8 +57,7 @@ import orjson
 from agent_backend.errors import PolicyError
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
 from agent_backend.rollout.server_client import PolicyServerClient, PolicyStatistics, v1_url
-from agent_backend.tools import ToolCall
-from agent_backend.tools.calls import from_hermes, parse_tool_calls
+from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
 
 __all__ = [
     "AssistantTurn",

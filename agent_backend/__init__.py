@@ -3,6 +3,8 @@
 The public API is what ``__all__`` lists; everything else is internal.
 """
 
+from importlib import metadata as _metadata
+
 from agent_backend.client import Client, SyncClient
 from agent_backend.dispatch import Dispatcher, Session, ToolResult
 from agent_backend.errors import (
@@ -41,7 +43,10 @@ from agent_backend.tools import (
     tool_from_function,
 )
 
-__version__ = "0.1.0"
+try:  # the installed distribution's version: one place, pyproject.toml
+    __version__ = _metadata.version("agent-backend")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "DEFAULT_POOL",

@@ -87,6 +87,8 @@ def _dumps(body: object) -> bytes:
 
 
 def _wire_call(call: CallLike, index: int) -> dict[str, Any]:
+    if type(call) is tuple and len(call) == 2 and type(call[0]) is str and type(call[1]) is dict:
+        return {"id": f"call_{index}", "name": call[0], "arguments": call[1]}  # the common case
     item = as_tool_call(call, index)
     arguments = item.arguments
     wire: dict[str, Any] = {
@@ -145,6 +147,7 @@ class Client(AsyncResource):
         self._max_connections = max_connections
         self._http: aiohttp.ClientSession | None = None
         self._urls: dict[str, URL] = {}
+        self._lost: tuple[type[BaseException], ...] = ()
         self._closed = False
 
     def __repr__(self) -> str:
@@ -179,6 +182,7 @@ class Client(AsyncResource):
             # Parsed once: building a URL costs more than most of a request's other steps.
             self._urls = {path: URL(self.url + path) for path in _ROUTES}
             connect, read = self._timeouts
+            self._lost = (aiohttp.ClientError, TimeoutError)
             self._http = aiohttp.ClientSession(
                 headers=self._headers,
                 # One timer per request (total), as aiohttp's default: a per-read timer
@@ -207,27 +211,6 @@ class Client(AsyncResource):
             url = URL(self.url + path)
         return url.with_query(params) if params else url
 
-    async def _send(
-        self,
-        method: str,
-        path: str,
-        content: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        params: Mapping[str, str] | None = None,
-    ) -> tuple[int, bytes, str | None]:
-        """One attempt: status, body and ``Retry-After``; aiohttp's errors become ours here."""
-        import aiohttp
-
-        http = self._session()
-        try:
-            async with http.request(
-                method, self._url(path, params), data=content, headers=headers
-            ) as response:
-                body = await response.read()
-                return response.status, body, response.headers.get("Retry-After")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise self._unreachable(exc) from None
-
     async def _request(
         self,
         method: str,
@@ -236,39 +219,51 @@ class Client(AsyncResource):
         body: object = None,
         key: str | None = None,
         params: Mapping[str, str] | None = None,
-    ) -> bytes:
-        """The answer's body after retries; a refusal raises its error class."""
+        answers: frozenset[int] = frozenset(),
+        retries: int | None = None,
+    ) -> tuple[int, bytes]:
+        """Status and body of the answer, after retries; a refusal raises its error class.
+
+        Statuses in ``answers`` are returned, not raised. One function from the call to
+        the socket: each coroutine level costs on every resumption of a request.
+        """
+        http = self._http if self._http is not None and not self._closed else self._session()
+        url = self._url(path, params)
         headers: dict[str, str] | None = None
         content = None
         if body is not None:
             content = _dumps(body)
             headers = {"Content-Type": _JSON}
-        if key is not None:
-            headers = headers or {}
-            headers[IDEMPOTENCY_HEADER] = key
-        # A request that may have reached the daemon is sent again only when that is safe.
-        resendable = method in _IDEMPOTENT_METHODS or (
-            key is not None and method == "POST" and path.startswith(API_PREFIX + "/")
-        )
+            if key is not None:
+                headers[IDEMPOTENCY_HEADER] = key
+        elif key is not None:
+            headers = {IDEMPOTENCY_HEADER: key}
+        retries = self.retries if retries is None else retries
         attempt = 0
         while True:
             refused: int | None = None  # the status of a refusal worth a retry
             retry_after = None
             try:
-                status, answer, retry_after = await self._send(
-                    method, path, content, headers, params
+                async with http.request(method, url, data=content, headers=headers) as response:
+                    answer = await response.read()
+                    status = response.status
+                    if status >= 400:
+                        retry_after = response.headers.get("Retry-After")
+            except self._lost as exc:  # aiohttp's errors end here
+                # A request that may have reached the daemon is sent again only when safe.
+                resendable = method in _IDEMPOTENT_METHODS or (
+                    key is not None and method == "POST" and path.startswith(API_PREFIX + "/")
                 )
-            except BackendUnavailable:
-                if attempt >= self.retries or not resendable:
-                    raise
+                if attempt >= retries or not resendable:
+                    raise self._unreachable(exc) from None
             else:
-                if status < 400:
-                    return answer
+                if status < 400 or status in answers:
+                    return status, answer
                 # 429 without Retry-After (too many sessions) will not clear by waiting.
                 retriable = status in RETRY_AFTER_STATUSES and (
                     status != 429 or parse_retry_after(retry_after) is not None
                 )
-                if not retriable or attempt >= self.retries:
+                if not retriable or attempt >= retries:
                     raise self._error(status, answer)
                 refused = status
             attempt += 1
@@ -305,7 +300,7 @@ class Client(AsyncResource):
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
-        answer = await self._request(
+        _, answer = await self._request(
             "POST", f"{API_PREFIX}/call", body=body, key=idempotency_key or uuid.uuid4().hex
         )
         return ToolResult.model_validate_json(answer)
@@ -324,7 +319,7 @@ class Client(AsyncResource):
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
-        answer = await self._request(
+        _, answer = await self._request(
             "POST", f"{API_PREFIX}/batch", body=body, key=idempotency_key or uuid.uuid4().hex
         )
         return BatchResponse.model_validate_json(answer).results
@@ -335,15 +330,15 @@ class Client(AsyncResource):
 
     async def tools(self, format: _Format = "openai") -> list[dict[str, Any]]:
         """The daemon's tool list, in the shape ``format``'s API expects."""
-        answer = await self._request("GET", f"{API_PREFIX}/tools", params={"format": format})
+        _, answer = await self._request("GET", f"{API_PREFIX}/tools", params={"format": format})
         return ToolsResponse.model_validate_json(answer).tools
 
     async def ready(self) -> Readiness:
         """The daemon's readiness (not an error when it is not ready)."""
-        status, answer, _ = await self._send("GET", f"{API_PREFIX}/health/ready")
-        if status in (200, 503):
-            return Readiness.model_validate_json(answer)
-        raise self._error(status, answer)
+        _, answer = await self._request(
+            "GET", f"{API_PREFIX}/health/ready", answers=frozenset({503}), retries=0
+        )
+        return Readiness.model_validate_json(answer)
 
 
 class RemoteSession(AsyncResource):
@@ -382,7 +377,7 @@ class RemoteSession(AsyncResource):
     async def open(self) -> None:
         if self._state != "new":
             raise PoolClosed(f"a session can be opened once (it is {self._state})")
-        answer = await self.client._request(
+        _, answer = await self.client._request(
             "POST", f"{API_PREFIX}/sessions", body={}, key=uuid.uuid4().hex
         )
         info = SessionInfo.model_validate_json(answer)

@@ -35,7 +35,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from typing import Annotated, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import anyio
 import anyio.to_thread
@@ -54,14 +54,13 @@ from agent_backend.dispatch.backend import (
     Output,
 )
 from agent_backend.dispatch.output import OutputBuffer
-from agent_backend.dispatch.spec import config_path
+from agent_backend.dispatch.spec import EnvName, config_path
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
 
 logger = logging.getLogger("agent_backend.backends.local")
 
-_ENV_NAME = r"^[^=\x00]+$"
 # Spawn failures that mean this machine is out of something: infrastructure, raised.
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
 # After the group is ended, how long pipes still held by an escaped process
@@ -86,7 +85,7 @@ class LocalPoolConfig(pydantic.BaseModel):
     scratch directory made at start and removed at close, shared by all sessionless calls."""
     max_concurrent_calls: int = pydantic.Field(default=32, ge=1, le=4096)
     """Commands running at once; more wait for a slot, and the wait counts against their timeout."""
-    env_passthrough: tuple[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], ...] = (
+    env_passthrough: tuple[EnvName, ...] = (
         "PATH",
         "HOME",
         "USER",
@@ -100,9 +99,7 @@ class LocalPoolConfig(pydantic.BaseModel):
     )
     """Variables copied from this process's environment into every command's, when set.
     Nothing else is inherited (no API keys leak into tool commands by default)."""
-    extra_env: dict[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], str] = (
-        pydantic.Field(default_factory=dict)
-    )
+    extra_env: dict[EnvName, str] = pydantic.Field(default_factory=dict)
     """Variables set for every command, over the passed-through ones (a call's own env wins)."""
     shell: str = "/bin/sh"
     """The shell that runs command lines (``shell -c LINE``)."""

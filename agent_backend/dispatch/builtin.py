@@ -33,6 +33,7 @@ import orjson
 from agent_backend.dispatch.backend import Command, DirEntry, Host
 from agent_backend.dispatch.output import head_tail
 from agent_backend.dispatch.result import ToolResult, command_result
+from agent_backend.dispatch.spec import ENV_NAME_PATTERN
 from agent_backend.errors import AgentBackendError, PathOutsideWorkspace, ToolArgumentError, clip
 from agent_backend.tools import Tool, tool_from_definition
 
@@ -45,7 +46,6 @@ __all__ = [
     "write_builtin_schemas",
 ]
 
-_ENV_NAME = "^[A-Za-z_][A-Za-z0-9_]*$"
 
 #: The built-in tool definitions, exactly as in ``schemas/tools/<name>.json``.
 BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
@@ -93,7 +93,7 @@ BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
                 },
                 "env": {
                     "type": "object",
-                    "propertyNames": {"pattern": _ENV_NAME},
+                    "propertyNames": {"pattern": ENV_NAME_PATTERN},
                     "additionalProperties": {"type": "string"},
                     "description": 'Extra environment variables, e.g. {"DEBUG": "1"}.',
                 },

@@ -51,7 +51,12 @@ BUILTIN_NAMES: tuple[BuiltinName, ...] = ("exec", "read_file", "write_file", "li
 
 ExecutionKind = Literal["function", "builtin", "command", "hosted"]
 
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+"""The one rule for environment variable names, everywhere a tool, a call or a pool sets one:
+what every POSIX shell accepts in ``export NAME=...`` (the SSH backend exports them so)."""
+
+EnvName = Annotated[str, pydantic.StringConstraints(pattern=ENV_NAME_PATTERN)]
+"""A str that follows :data:`ENV_NAME_PATTERN`, as a pydantic field type."""
 
 
 class ExecutionSpec(pydantic.BaseModel):
@@ -67,9 +72,7 @@ class ExecutionSpec(pydantic.BaseModel):
     """Run this argv on the host (no shell), in the session workspace when there is one."""
     arguments: Literal["stdin-json"] = "stdin-json"
     """How a command receives its arguments: one JSON object on standard input."""
-    env: dict[Annotated[str, pydantic.StringConstraints(pattern=_ENV_NAME)], str] = pydantic.Field(
-        default_factory=dict
-    )
+    env: dict[EnvName, str] = pydantic.Field(default_factory=dict)
     """Extra environment variables for the command."""
     timeout: float | None = pydantic.Field(default=None, gt=0)
     """Seconds a call may take before it is killed; default: the dispatcher's ``default_timeout``."""

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import asyncssh.encryption
 import pydantic
 
-from agent_backend.dispatch.spec import config_path
+from agent_backend.dispatch.spec import ENV_NAME_PATTERN, config_path
 
 __all__ = [
     "ENV_NAME",
@@ -27,8 +27,8 @@ __all__ = [
     "SSHStatistics",
 ]
 
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-"""An environment variable name the remote shell accepts in ``export NAME=...``."""
+ENV_NAME = re.compile(ENV_NAME_PATTERN)
+"""An environment variable name the remote shell accepts in ``export NAME=...`` (the one rule)."""
 
 
 class SSHHostSettings(pydantic.BaseModel):

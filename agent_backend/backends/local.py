@@ -178,17 +178,6 @@ async def _group_alive(pgid: int) -> bool:
     return await anyio.to_thread.run_sync(_live_member, pgid, abandon_on_cancel=True)
 
 
-def _busy_result(host: str, duration: float) -> CommandResult:
-    message = b"the command did not start within its timeout: the host was busy"
-    return CommandResult(
-        exit_status=None,
-        stderr=Output(message, len(message), False),
-        duration=duration,
-        timed_out=True,
-        host=host,
-    )
-
-
 def _read_file(path: str, limit: int) -> FileData:
     # O_NONBLOCK: opening a FIFO must not hang a worker thread forever.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -424,7 +413,9 @@ class LocalHost(Host):
                         finally:
                             self._queued -= 1
                     if queue.cancelled_caught:
-                        return _busy_result(self.name, time.monotonic() - started)
+                        return CommandResult.not_started(
+                            self.name, time.monotonic() - started, "the host was busy"
+                        )
                 try:
                     self._active += 1
                     return await self._execute(command, started)

@@ -107,6 +107,21 @@ class CommandResult:
     timed_out: bool = False
     host: str = ""
 
+    @classmethod
+    def not_started(cls, host: str, duration: float, why: str) -> CommandResult:
+        """A command that never started within its timeout (``why``: what it waited for).
+
+        A timeout, as the model sees it: the host was busy, and trying again later may work.
+        """
+        message = f"the command did not start within its timeout: {why}".encode()
+        return cls(
+            exit_status=None,
+            stderr=Output(message, len(message), False),
+            duration=duration,
+            timed_out=True,
+            host=host,
+        )
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileData:

@@ -44,7 +44,7 @@ from agent_backend.backends.ssh.channel import (
 from agent_backend.backends.ssh.config import SSHHostConfig, SSHHostStats
 from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.backoff import backoff_delay
-from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host, Output
+from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host
 from agent_backend.errors import BackendUnavailable, PoolClosed, ToolTimeout, WorkerLost
 
 __all__ = ["SSHHost"]
@@ -382,13 +382,8 @@ class SSHHost(Host):
         )
 
     def _busy_result(self, started: float) -> CommandResult:
-        message = f"the command did not start within its timeout: no SSH channel to {self.name} became free".encode()
-        return CommandResult(
-            exit_status=None,
-            stderr=Output(message, len(message), False),
-            duration=time.monotonic() - started,
-            timed_out=True,
-            host=self.name,
+        return CommandResult.not_started(
+            self.name, time.monotonic() - started, f"no SSH channel to {self.name} became free"
         )
 
     # -- files --------------------------------------------------------------------------------

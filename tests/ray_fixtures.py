@@ -92,8 +92,19 @@ def pool_config(*tools: Any, **overrides: Any) -> Any:
     return RayPoolConfig.model_validate(settings)
 
 
+async def settle(pool: Any, condition: Callable[[], bool], *, within: float = 20.0) -> None:
+    """Wait for ``condition`` on a Ray pool's or workers' state (woken at each change of it);
+    fail the test after ``within``."""
+    try:
+        with anyio.fail_after(within):
+            await pool.wait_until(condition)
+    except TimeoutError:
+        pytest.fail(f"condition still false after {within:g}s")
+
+
 async def wait_for(condition: Callable[[], bool], *, within: float = 20.0) -> None:
-    """Poll ``condition`` (pool state has no event to wait on); fail the test after ``within``."""
+    """Poll ``condition`` (for state outside a pool: a policy server's requests); fail the test
+    after ``within``."""
     deadline = time.monotonic() + within
     while True:
         if condition():

@@ -10,7 +10,7 @@ import anyio
 import anyio.abc
 import pytest
 
-from agent_backend.backends.ray.supervisor import ActorSet
+from agent_backend.backends.ray.replicas import ActorSet
 from agent_backend.errors import BackendUnavailable
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]

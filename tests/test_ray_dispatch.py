@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, wait_for
+from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -230,11 +230,11 @@ async def test_an_actor_killed_mid_call_raises_worker_lost_through_the_dispatche
         for tool in ("hold", "hold_again"):
             async with anyio.create_task_group() as group:
                 group.start_soon(run, tool)
-                await wait_for(lambda: backend.statistics().calls_in_flight == 1)
+                await settle(backend, lambda: backend.statistics().calls_in_flight == 1)
                 await anyio.sleep(0.3)  # the call is running inside the actor
                 busy = next(info for info in backend.actors() if info.in_flight == 1)
                 ray.kill(ray.get_actor(busy.ray_name))
-            await wait_for(lambda: backend.statistics().actors_live == 2)
+            await settle(backend, lambda: backend.statistics().actors_live == 2)
         lost, retried = caught
         assert isinstance(lost, WorkerLost)
         assert lost.worker is not None

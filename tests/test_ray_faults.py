@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, wait_for
+from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -190,7 +190,7 @@ async def test_killed_actors_are_evicted_replaced_and_gone_after_aclose(
         # Evicted at once: the next calls never go to the dead actor (PITFALLS 17).
         for _ in range(4):
             assert (await backend.call("echo", {"text": "x"})).actor != victim.name
-        await wait_for(lambda: backend.statistics().actors_live == 2)
+        await settle(backend, lambda: backend.statistics().actors_live == 2)
         stats = backend.statistics()
         assert (stats.evictions, stats.restarts) == (1, 1)
         replica = victim.name.removeprefix("test-").split(".")[0]
@@ -208,16 +208,16 @@ async def test_killed_actors_are_evicted_replaced_and_gone_after_aclose(
         assert result.attempts == 2
         assert result.actor != second.name
         assert backend.statistics().retries == 1
-        await wait_for(lambda: backend.statistics().actors_live == 2)
+        await settle(backend, lambda: backend.statistics().actors_live == 2)
         ray_names |= {info.ray_name for info in backend.actors()}
 
         # An idle actor that dies is evicted by its sentinel, before any call reaches it.
         idle = backend.actors()[0]
         ray.kill(ray.get_actor(idle.ray_name))
-        await wait_for(lambda: backend.statistics().evictions == 3)
+        await settle(backend, lambda: backend.statistics().evictions == 3)
         for _ in range(3):
             assert (await backend.call("echo", {"text": "x"})).actor != idle.name
-        await wait_for(lambda: backend.statistics().actors_live == 2)
+        await settle(backend, lambda: backend.statistics().actors_live == 2)
         ray_names |= {info.ray_name for info in backend.actors()}
         assert _states(state, ray_names) == {"ALIVE", "DEAD"}
 
@@ -245,7 +245,7 @@ async def test_restarts_are_bounded_and_then_calls_fail_fast(ray_cluster: RayClu
         assert info.value.worker == first
         assert info.value.cause
         assert "worker process has died" in info.value.cause
-        await wait_for(lambda: backend.statistics().actors_live == 1)
+        await settle(backend, lambda: backend.statistics().actors_live == 1)
         replaced = await backend.call("getenv", {"name": "AGENT_BACKEND_TEST_ENV"})
         assert replaced.actor == "test-0.1"
         assert replaced.value == "set by runtime_env"  # the replacement has the same runtime_env
@@ -276,7 +276,7 @@ async def _call_keeping(backend: RayBackend, tool: str, results: list[Any]) -> N
 
 
 async def _busy_actor(backend: RayBackend) -> Any:
-    await wait_for(lambda: backend.statistics().calls_in_flight == 1)
+    await settle(backend, lambda: backend.statistics().calls_in_flight == 1)
     await anyio.sleep(0.3)  # let the call start inside the actor
     return next(info for info in backend.actors() if info.in_flight == 1)
 

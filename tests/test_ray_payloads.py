@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 from proc_helpers import rss_bytes
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, wait_for
+from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -214,7 +214,9 @@ async def test_a_payload_outlives_its_producer_actor(pool: RayBackend) -> None:
     assert payload is not None
     producer = next(info for info in pool.actors() if info.name == produced.actor)
     ray.kill(ray.get_actor(producer.ray_name))
-    await wait_for(lambda: pool.statistics().actors_live == 2 and pool.statistics().restarts == 1)
+    await settle(
+        pool, lambda: pool.statistics().actors_live == 2 and pool.statistics().restarts == 1
+    )
     assert producer.name not in {info.name for info in pool.actors()}
     # Owned by the driver, stored on the node: still there after the producer is gone.
     for _ in range(2):

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pydantic
 import pytest
-from ray_fixtures import TESTS_DIR, RayCluster, pool_config, ray_cluster, require_ray, wait_for
+from ray_fixtures import TESTS_DIR, RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -165,7 +165,7 @@ async def test_calls_go_to_the_least_loaded_actor(pool: RayBackend) -> None:
 
     async with anyio.create_task_group() as group:
         group.start_soon(hold, 1.0)
-        await wait_for(lambda: pool.statistics().calls_in_flight == 1)
+        await settle(pool, lambda: pool.statistics().calls_in_flight == 1)
         busy = next(info for info in pool.actors() if info.in_flight == 1)
         # The busy actor has a free slot, but the idle one is less loaded.
         quick = await pool.call("whoami")
@@ -186,7 +186,7 @@ async def test_concurrency_per_actor_is_capped_and_the_rest_queue(pool: RayBacke
     async with anyio.create_task_group() as group:
         for _ in range(6):
             group.start_soon(hold)
-        await wait_for(lambda: pool.statistics().calls_queued == 2)
+        await settle(pool, lambda: pool.statistics().calls_queued == 2)
         stats = pool.statistics()
         assert stats.calls_in_flight == 4
         assert all(info.in_flight == 2 for info in pool.actors())
@@ -231,7 +231,7 @@ async def test_timeout_cancels_the_ray_task_and_frees_the_slot(pool: RayBackend)
         await pool.call("hold", {"seconds": 30}, timeout=0.5)
     assert 0.4 < time.monotonic() - started < 5
     assert info.value.timeout == 0.5
-    await wait_for(lambda: pool.statistics().calls_in_flight == 0)
+    await settle(pool, lambda: pool.statistics().calls_in_flight == 0)
     assert (await pool.call("echo", {"text": "still serving"})).value == "still serving"
 
 
@@ -239,7 +239,7 @@ async def test_cancelled_waiters_leave_the_queue(pool: RayBackend) -> None:
     async with anyio.create_task_group() as group:
         for _ in range(4):
             group.start_soon(pool.call, "hold", {"seconds": 0.8})
-        await wait_for(lambda: pool.statistics().calls_in_flight == 4)
+        await settle(pool, lambda: pool.statistics().calls_in_flight == 4)
         with anyio.move_on_after(0.2):
             await pool.call("echo", {"text": "queued"})
         assert pool.statistics().calls_queued == 0
@@ -250,7 +250,7 @@ async def test_a_cancelled_call_cancels_its_ray_task(pool: RayBackend) -> None:
     with anyio.move_on_after(0.3):
         await pool.call("hold", {"seconds": 30})
     assert pool.statistics().calls_in_flight == 1  # the slot is held until the task ends...
-    await wait_for(lambda: pool.statistics().calls_in_flight == 0, within=5)  # ...which is soon
+    await settle(pool, lambda: pool.statistics().calls_in_flight == 0, within=5)  # ...which is soon
 
 
 # -- placement ------------------------------------------------------------------------------------

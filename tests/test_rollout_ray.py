@@ -22,7 +22,7 @@ from policy_server import (
     leftover_workspaces,
     policy_server_fixture,
 )
-from ray_fixtures import RayCluster, ray_cluster, require_ray, wait_for
+from ray_fixtures import RayCluster, ray_cluster, require_ray, settle, wait_for
 
 ray = require_ray()
 
@@ -143,7 +143,7 @@ async def test_a_killed_worker_is_replaced_and_only_its_episodes_fail(
             async for batch in batches:
                 records.extend(t for part in await _gather(batch) for t in part)
                 # Later episodes must find the replacement up (it takes a few seconds to start).
-                await wait_for(lambda: workers.statistics().workers_live == 2, within=90)
+                await settle(workers, lambda: workers.statistics().workers_live == 2, within=90)
         stats = workers.statistics()
         replacement = workers.workers[0]
         ray_names = workers.ray_names

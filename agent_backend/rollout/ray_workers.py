@@ -55,6 +55,7 @@ from agent_backend.backends.ray import (
     actor_options,
     describe_cause,
     describe_when_ready,
+    import_function,
 )
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import (
@@ -141,7 +142,7 @@ class RolloutWorker:
         try:
             registry = ToolRegistry.from_dir(self._tools_dir)
             for path, tool_name in self._functions:
-                registry.add_function(_import_function(path), name=tool_name)
+                registry.add_function(import_function(path), name=tool_name)
             async with (
                 load_pool(self._tool_pool) as backend,
                 Dispatcher(registry, backend) as dispatcher,
@@ -523,19 +524,6 @@ def fetch_batch(refs: Sequence[ray.ObjectRef[list[Trajectory]]]) -> list[Traject
     does the same without blocking its event loop.
     """
     return [record for part in ray.get(list(refs)) for record in part]
-
-
-def _import_function(path: str) -> Callable[..., Any]:
-    """``package.module:function`` (or ``module:Class.method``), imported."""
-    import importlib
-
-    module_name, _, attributes = path.partition(":")
-    target: Any = importlib.import_module(module_name)
-    for attribute in attributes.split("."):
-        target = getattr(target, attribute)
-    if not callable(target):
-        raise TypeError(f"{path} is not a function")
-    return target  # type: ignore[no-any-return]
 
 
 def _failed_record(

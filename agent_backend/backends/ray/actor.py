@@ -123,6 +123,7 @@ def portable_error(exc: Exception, *, tool: str | None) -> AgentBackendError:
 
 
 def import_function(path: str) -> Callable[..., Any]:
+    """``package.module:function`` (or ``module:Class.method``), imported."""
     module_name, _, attributes = path.partition(":")
     target: Any = importlib.import_module(module_name)
     for attribute in attributes.split("."):

@@ -48,6 +48,7 @@ from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray.actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
+from agent_backend.backends.ray.replicas import Replica
 from agent_backend.backends.ray.runtime import (
     ACTOR_DEATHS,
     actor_options,
@@ -56,7 +57,7 @@ from agent_backend.backends.ray.runtime import (
     describe_when_ready,
     tool_shortage,
 )
-from agent_backend.backends.ray.supervisor import ActorSupervisor, Replica
+from agent_backend.backends.ray.supervisor import ActorSupervisor
 from agent_backend.dispatch.backend import Backend, Host, HostedResult
 from agent_backend.errors import (
     AgentBackendError,

@@ -60,7 +60,7 @@ TOKEN = "bench-token-" + "x" * 24
 CONCURRENCY = (1, 16, 64)
 # Client vs a plain aiohttp session: rounds at each of these, and the bar on the median ratio.
 COMPARED = (1, 16)
-ROUNDS = 20
+ROUNDS = 60
 RATIO_BAR = 0.95
 # The daemon's process, whose CPU time the daemon rows report.
 SERVER: subprocess.Popen[str] | None = None
@@ -403,7 +403,7 @@ async def main(quick: bool) -> int:
             " alternating rounds (ratio: Client's calls/s over the plain session's):"
         )
         for concurrency in COMPARED:
-            total = int((500 if concurrency == 1 else 1600) * scale)
+            total = int((200 if concurrency == 1 else 640) * scale)
             ratios, clients, plains = await client_vs_plain(url, concurrency, total, rounds)
             median = statistics.median(ratios)
             cpu = statistics.median(

@@ -21,7 +21,7 @@ Two audiences, kept apart:
     ├── PoolError                    a pool used wrongly
     │   ├── LeaseError               release with a stale or foreign owner token
     │   └── PoolClosed               use after aclose()/stop()
-    ├── BackendError                 the place a tool runs failed
+    ├── BackendError                 the place a tool runs failed (backend, host, pool)
     │   ├── BackendUnavailable       cannot reach / start the backend
     │   ├── WorkerLost               the worker died mid-call
     │   ├── ToolTimeout              also a TimeoutError
@@ -308,13 +308,21 @@ class BackendError(AgentBackendError):
 
     backend: str | None
     host: str | None
+    pool: str | None
+    """The name of the dispatcher's pool it happened in (``Dispatcher(pools=...)``); None: unnamed."""
 
     def __init__(
-        self, message: str, *, backend: str | None = None, host: str | None = None
+        self,
+        message: str,
+        *,
+        backend: str | None = None,
+        host: str | None = None,
+        pool: str | None = None,
     ) -> None:
         super().__init__(message)
         self.backend = backend
         self.host = host
+        self.pool = pool
 
 
 class BackendUnavailable(BackendError):

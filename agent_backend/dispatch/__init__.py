@@ -1,4 +1,4 @@
-"""Dispatch: run prepared tool calls on a backend's hosts, in sessions, with bounded output."""
+"""Dispatch: run prepared tool calls on pools' hosts and workers, in sessions, with bounded output."""
 
 from agent_backend.dispatch.backend import (
     Backend,
@@ -20,10 +20,12 @@ from agent_backend.dispatch.dispatcher import (
 )
 from agent_backend.dispatch.output import OutputBuffer, head_tail
 from agent_backend.dispatch.result import ERROR_TYPES, ToolResult
+from agent_backend.dispatch.routes import DEFAULT_POOL_NAME, PoolShape, Route, route
 from agent_backend.dispatch.spec import META_KEY, ExecutionSpec
 
 __all__ = [
     "BUILTIN_DEFINITIONS",
+    "DEFAULT_POOL_NAME",
     "ERROR_TYPES",
     "META_KEY",
     "Backend",
@@ -39,9 +41,12 @@ __all__ = [
     "HostedResult",
     "Output",
     "OutputBuffer",
+    "PoolShape",
+    "Route",
     "Session",
     "ToolResult",
     "as_tool_call",
     "builtin_tools",
     "head_tail",
+    "route",
 ]

@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import itertools
 import logging
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -50,23 +49,19 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 import anyio.to_thread
-import orjson
-import pydantic_core
 
-from agent_backend.dispatch.backend import Backend, Command, Host, HostedResult
-from agent_backend.dispatch.builtin import BuiltinContext, run_builtin
+from agent_backend.dispatch.backend import Backend, Host
 from agent_backend.dispatch.leases import LeaseTable
-from agent_backend.dispatch.output import head_tail
-from agent_backend.dispatch.result import ToolResult, command_result
-from agent_backend.dispatch.spec import ExecutionKind, ExecutionSpec, execution_kind, execution_spec
+from agent_backend.dispatch.result import ToolResult
+from agent_backend.dispatch.routes import DEFAULT_POOL_NAME, PoolShape, Route, read_spec, route
+from agent_backend.dispatch.running import gather, run_function, run_hosted, run_on_host
+from agent_backend.dispatch.spec import ExecutionSpec
+from agent_backend.dispatch.workspaces import SessionWorkspaces, in_pool
 from agent_backend.errors import (
-    AgentBackendError,
-    BackendUnavailable,
     ConfigError,
     ModelFacingError,
     PoolClosed,
     PoolError,
-    ToolFailed,
     ToolTimeout,
     clip,
 )
@@ -106,7 +101,7 @@ def as_tool_call(call: CallLike, index: int = 0) -> ToolCall:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Plan:
-    kind: ExecutionKind
+    route: Route
     spec: ExecutionSpec
 
 
@@ -120,63 +115,31 @@ class DispatcherStatistics:
     calls_in_flight: int
 
 
-def _jsonable(value: Any) -> bytes:
-    # NaN/Infinity become strings: never write a non-finite number into JSON (PITFALLS 21).
-    return pydantic_core.to_json(value, fallback=repr, inf_nan_mode="strings")
-
-
-def _unwrap(function: Callable[..., Any]) -> Callable[..., Any]:
-    while isinstance(function, functools.partial):
-        function = function.func
-    return function
-
-
-def _is_async(function: Callable[..., Any]) -> bool:
-    target = _unwrap(function)
-    if inspect.iscoroutinefunction(target):
-        return True
-    call = getattr(type(target), "__call__", None)  # noqa: B004 - callable instances
-    return call is not None and inspect.iscoroutinefunction(call)
-
-
-async def _call_function(tool: Tool, arguments: dict[str, Any]) -> Any:
-    """Run ``tool.function`` with prepared arguments, as ``Tool.invoke`` does.
-
-    The difference: a synchronous function runs in a worker thread that a
-    timeout *abandons* (a thread cannot be killed), so the call returns at
-    its timeout instead of when the function chooses to.
-    """
-    function = tool.function
-    assert function is not None
-    kwargs = tool.bind_arguments(arguments) if tool.bind_arguments else arguments
-    if _is_async(function):
-        return await function(**kwargs)
-    result = await anyio.to_thread.run_sync(
-        functools.partial(function, **kwargs), abandon_on_cancel=True
-    )
-    if inspect.isawaitable(result):
-        return await result
-    return result
-
-
 class Dispatcher:
-    """Runs tool calls from ``registry`` on ``pool``'s hosts; opens :class:`Session`\\ s.
+    """Runs tool calls from ``registry`` on its pools' hosts and workers; opens :class:`Session`\\ s.
 
-    ``pool`` is an open :class:`~agent_backend.dispatch.backend.Backend`; the
-    dispatcher uses it and never closes it. Plain calls work on a new
-    dispatcher; sessions (and their reaper) need it open: ``async with
-    Dispatcher(...) as dispatcher``.
+    ``Dispatcher(registry, pool)`` drives one pool (named ``"default"``);
+    ``Dispatcher(registry, pools={"cmd": ssh, "gpu": ray}, default="cmd")``
+    several, each tool routed to one of them (:mod:`agent_backend.dispatch.routes`;
+    ``default``: the first pool if not given). Pools are
+    :class:`~agent_backend.dispatch.backend.Backend`\\ s, normally open; the
+    dispatcher uses them and never closes them. A call routed to a pool that
+    is down raises :class:`BackendUnavailable` naming it, and the other pools
+    keep serving. Plain calls work on a new dispatcher; sessions (and their
+    reaper) need it open: ``async with Dispatcher(...) as dispatcher``.
 
-    Every tool of ``registry`` must be runnable on ``pool`` (checked here,
-    :class:`ConfigError` naming the tool file otherwise); tools added to the
-    registry later are checked at their first call.
+    Every tool of ``registry`` must be runnable on one of the pools (checked
+    here, :class:`ConfigError` naming the tool file otherwise); tools added to
+    the registry later are checked at their first call.
     """
 
     def __init__(
         self,
         registry: ToolRegistry,
-        pool: Backend,
+        pool: Backend | None = None,
         *,
+        pools: Mapping[str, Backend] | None = None,
+        default: str | None = None,
         default_timeout: float = 60.0,
         max_timeout: float = 600.0,
         output_limit: int = 16384,
@@ -204,8 +167,21 @@ class Dispatcher:
             raise ValueError("session_ttl must be positive (or None: never reap)")
         if not backstop_grace > 0:
             raise ValueError("backstop_grace must be positive")
+        if (pool is None) == (pools is None):
+            raise TypeError("give a Dispatcher either one pool or pools={name: backend, ...}")
+        named = {DEFAULT_POOL_NAME: pool} if pool is not None else dict(pools or {})
+        if not named:
+            raise ValueError("pools must name at least one pool")
+        default = next(iter(named)) if default is None else default
+        if default not in named:
+            raise ValueError(f"default pool {default!r} is not one of {', '.join(named)}")
         self.registry = registry
-        self.pool = pool
+        self.pools: Mapping[str, Backend] = named
+        """The pools by name (one, ``"default"``, for ``Dispatcher(registry, pool)``)."""
+        self.default = default
+        """The name of the pool host tools go to unless a route says otherwise."""
+        self.pool = named[default]
+        """The default pool."""
         self.default_timeout = default_timeout
         self.max_timeout = max_timeout
         self.output_limit = output_limit
@@ -226,31 +202,65 @@ class Dispatcher:
         # `async with dispatcher`, which aclose() must not cancel.
         self._reaper_scope: anyio.CancelScope | None = None
         self._closed = anyio.Event()
-        self._hosted: dict[str, Tool] = {}
-        for tool in pool.hosted_tools():
-            self._adopt(tool)
+        self._hosted: dict[str, tuple[str, Tool]] = {}
+        self._shapes: dict[str, PoolShape] = {}
+        for name, backend in named.items():
+            try:
+                hosted: Sequence[Tool] | None = backend.hosted_tools()
+            except PoolError:
+                if pool is not None:
+                    raise
+                hosted = None  # not open: its tools are unknown, its calls fail naming it
+            self._shapes[name] = PoolShape(
+                name,
+                backend.kind,
+                bool(backend.hosts),
+                None if hosted is None else frozenset(tool.name for tool in hosted),
+            )
+            for tool in hosted or ():
+                self._adopt(name, tool)
         for tool in registry:
             self._plan(tool)
 
-    def _adopt(self, tool: Tool) -> None:
-        """Add a tool the pool hosts to the registry (it is the same object on a second look)."""
+    def _adopt(self, pool: str, tool: Tool) -> None:
+        """Add a tool pool ``pool`` hosts to the registry (the same object on a second look).
+
+        A registry tool of that name stays if it routes itself there
+        (``x-agent-backend.pool``): it declares the hosted tool.
+        """
+        kind = self.pools[pool].kind
+        other = self._hosted.get(tool.name)
+        if other is not None and other[0] != pool:
+            raise ConfigError(
+                f"{tool.source or 'a pool'}: tool {tool.name!r} is hosted by pools "
+                f"{other[0]!r} and {pool!r}; rename one",
+                file=tool.source,
+                key="name",
+                expected="a name one pool hosts",
+            )
         if tool.name in self.registry:
             existing = self.registry.get(tool.name)
-            if existing is not tool:
+            if existing is not tool and read_spec(existing)[1] != pool:
                 raise ConfigError(
                     f"{existing.source or 'the registry'}: tool {tool.name!r} is also hosted by "
-                    f"the {self.pool.kind} pool ({tool.source or 'its workers'}); rename one",
+                    f"the {kind} pool {pool!r} ({tool.source or 'its workers'}); rename one, or "
+                    f"route it there (x-agent-backend.pool = {pool!r})",
                     file=existing.source,
                     key="name",
-                    expected=f"a name the {self.pool.kind} pool's tools do not use",
+                    expected=f"a name the {kind} pool's tools do not use",
                 )
         else:
             self.registry.add(tool)
-        self._hosted[tool.name] = tool
+        self._hosted[tool.name] = (pool, tool)
 
     def __repr__(self) -> str:
+        pools = (
+            f"pool={self.pool.kind}"
+            if len(self.pools) == 1
+            else "pools=" + ",".join(f"{name}:{b.kind}" for name, b in self.pools.items())
+        )
         return (
-            f"<Dispatcher tools={len(self.registry)} pool={self.pool.kind}"
+            f"<Dispatcher tools={len(self.registry)} {pools}"
             f" [sessions: {len(self._sessions)} open | calls: {self._in_flight} in flight]"
             f" {self._state}>"
         )
@@ -392,7 +402,7 @@ class Dispatcher:
             self._check_own(session)
             return await session.call_many(calls, timeout=timeout)
         items = [as_tool_call(call, index) for index, call in enumerate(calls)]
-        return await _gather(
+        return await gather(
             [
                 functools.partial(self._dispatch, item, call_timeout=timeout, session=None)
                 for item in items
@@ -406,35 +416,12 @@ class Dispatcher:
     def _plan(self, tool: Tool) -> _Plan:
         plan = self._plans.get(tool)
         if plan is None:
-            spec = execution_spec(tool)
-            if self._hosted.get(tool.name) is tool:
-                plan = _Plan("hosted", spec)
-            else:
-                plan = _Plan(execution_kind(tool, spec), spec)
-                self._check_runnable(tool, plan)
+            hosted = self._hosted.get(tool.name)
+            hosted_by = hosted[0] if hosted is not None and hosted[1] is tool else None
+            where = route(tool, self._shapes, self.default, hosted_by=hosted_by)
+            plan = _Plan(where, read_spec(tool)[0])
             self._plans[tool] = plan
         return plan
-
-    def _check_runnable(self, tool: Tool, plan: _Plan) -> None:
-        where = tool.source or tool.name
-        if plan.kind != "function" and plan.spec.backend not in (None, self.pool.kind):
-            raise ConfigError(
-                f"{where}: tool {tool.name!r} must run on a "
-                f"{plan.spec.backend!r} pool, and this one is {self.pool.kind!r}",
-                file=tool.source,
-                key="x-agent-backend.backend",
-                expected=repr(self.pool.kind),
-            )
-        if plan.kind in ("builtin", "command") and not self.pool.hosts:
-            hosted = ", ".join(self._hosted) or "none"
-            raise ConfigError(
-                f"{where}: tool {tool.name!r} runs a {plan.kind} on a host, and the "
-                f"{self.pool.kind} pool has no hosts (it runs its own tools: {hosted}); "
-                "give this dispatcher a registry without it, or a local or ssh pool",
-                file=tool.source,
-                key="x-agent-backend",
-                expected=f"a tool the {self.pool.kind} pool can run",
-            )
 
     def _timeout(self, plan: _Plan, arguments: dict[str, Any], timeout: float | None) -> float:
         if timeout is not None and not timeout > 0:
@@ -458,7 +445,7 @@ class Dispatcher:
                 plan = self._plan(tool)
                 # A hosted tool's worker checks the arguments against the same schema.
                 arguments: Any = (
-                    call.arguments if plan.kind == "hosted" else tool.prepare(call.arguments)
+                    call.arguments if plan.route.kind == "hosted" else tool.prepare(call.arguments)
                 )
             except ModelFacingError as exc:
                 return ToolResult.from_error(
@@ -466,208 +453,100 @@ class Dispatcher:
                 )
             limit = plan.spec.output_limit or self.output_limit
             seconds = self._timeout(plan, arguments, call_timeout)
-            if plan.kind == "function":
-                result = await self._run_function(tool, arguments, call, seconds, limit)
+            if plan.route.kind == "function":
+                result = await run_function(tool, arguments, call, seconds, limit)
             else:
-                host: Host | None = None
-                if plan.kind != "hosted":
-                    host = session.host if session is not None else self.pool.pick_host()
-                    assert (
-                        host is not None
-                    )  # _check_runnable: a pool without hosts runs no commands
-                where = self.pool.kind if host is None else host.name
-                with anyio.move_on_after(seconds + self.backstop_grace) as backstop:
-                    if host is None:
-                        result = await self._run_hosted(tool, arguments, call, seconds, limit)
-                    else:
-                        workspace = session.workspace if session is not None else None
-                        result = await self._run_on_host(
-                            plan, arguments, call, host, workspace, seconds, limit
-                        )
-                if backstop.cancelled_caught:
-                    raise ToolTimeout(
-                        f"tool {call.name!r} on {where}: the backend did not return within "
-                        f"{seconds:g} s + {self.backstop_grace:g} s grace",
-                        timeout=seconds,
-                        backend=self.pool.kind,
-                        host=where,
-                    )
+                result = await self._run_in_pool(
+                    plan, tool, arguments, call, seconds, limit, session
+                )
             return result.model_copy(update={"duration": time.monotonic() - started})
         finally:
             self._in_flight -= 1
 
-    async def _run_on_host(
+    async def _run_in_pool(
         self,
         plan: _Plan,
-        arguments: dict[str, Any],
+        tool: Tool,
+        arguments: Any,
         call: ToolCall,
-        host: Host,
-        workspace: str | None,
         seconds: float,
         limit: int,
+        session: Session | None,
     ) -> ToolResult:
-        if plan.spec.builtin is not None:
-            context = BuiltinContext(
-                call_id=call.id,
-                tool=call.name,
-                host=host,
-                workspace=workspace,
-                timeout=seconds,
-                output_limit=limit,
-                env=dict(plan.spec.env),
-            )
-            return await run_builtin(plan.spec.builtin, arguments, context)
-        assert plan.spec.command is not None
-        command = Command(
-            argv=plan.spec.command,
-            cwd=workspace,
-            env=dict(plan.spec.env),
-            stdin=orjson.dumps(arguments),
-            timeout=seconds,
-            output_limit=limit,
-        )
-        outcome = await host.run(command)
-        return command_result(
-            outcome,
-            call_id=call.id,
-            tool=call.name,
-            timeout=seconds,
-            limit=limit,
-            captured_limit=limit,
-        )
-
-    async def _run_hosted(
-        self, tool: Tool, arguments: Any, call: ToolCall, seconds: float, limit: int
-    ) -> ToolResult:
-        try:
-            hosted: HostedResult = await self.pool.call_hosted(
-                tool.name, arguments, timeout=seconds
-            )
-        except ModelFacingError as exc:
-            return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
-        except ToolFailed as exc:
-            return _tool_failed(call, exc)
-        except ToolTimeout as exc:  # the backend stopped the tool at its limit: like a kill
-            return ToolResult.failure(
-                call_id=call.id,
-                tool=call.name,
-                error=f"the tool did not finish within {seconds:g} s and was stopped",
-                error_type="Timeout",
-                host=exc.host,
-            )
-        shown = hosted.value if hosted.summary is None else hosted.summary
-        return _value_result(call, shown, limit, host=hosted.worker).with_value(hosted.value)
-
-    async def _run_function(
-        self, tool: Tool, arguments: dict[str, Any], call: ToolCall, seconds: float, limit: int
-    ) -> ToolResult:
-        with anyio.move_on_after(seconds) as deadline:
-            try:
-                value = await _call_function(tool, arguments)
-            except ModelFacingError as exc:
-                return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
-            except ToolFailed as exc:  # a tool's own failure, already carried as data
-                return _tool_failed(call, exc)
-            except AgentBackendError:
-                raise  # infrastructure or misuse, not the model's doing
-            except Exception as exc:
-                # Like a command that exits non-zero: the model sees why, the log the traceback.
-                logger.warning("tool %r raised", tool.name, exc_info=True)
-                return ToolResult.failure(
-                    call_id=call.id,
-                    tool=call.name,
-                    error=f"the tool raised {type(exc).__name__}: {exc}",
-                    error_type="ToolFailed",
+        name = plan.route.pool
+        assert name is not None  # routes: only a function runs outside a pool
+        backend = self.pools[name]
+        host: Host | None = None
+        workspace: str | None = None
+        if plan.route.kind != "hosted":
+            if session is not None:
+                made = await session._workspaces.ensure(name, backend)
+                host, workspace = made.host, made.path
+            else:
+                with in_pool(name, backend):
+                    host = backend.pick_host()
+        where = backend.kind if host is None else host.name
+        with in_pool(name, backend):
+            with anyio.move_on_after(seconds + self.backstop_grace) as backstop:
+                if host is None:
+                    result = await run_hosted(backend, tool, arguments, call, seconds, limit)
+                else:
+                    result = await run_on_host(
+                        plan.spec, arguments, call, host, workspace, seconds, limit
+                    )
+            if backstop.cancelled_caught:
+                raise ToolTimeout(
+                    f"tool {call.name!r} on {where}: the backend did not return within "
+                    f"{seconds:g} s + {self.backstop_grace:g} s grace",
+                    timeout=seconds,
+                    backend=backend.kind,
+                    host=where,
                 )
-        if deadline.cancelled_caught:
-            return ToolResult.failure(
-                call_id=call.id,
-                tool=call.name,
-                error=f"the tool did not finish within {seconds:g} s and was stopped",
-                error_type="Timeout",
-            )
-        return _value_result(call, value, limit).with_value(value)
-
-
-def _tool_failed(call: ToolCall, exc: ToolFailed) -> ToolResult:
-    """The result of a tool that raised: its failure, already carried as data."""
-    return ToolResult.failure(
-        call_id=call.id,
-        tool=call.name,
-        error=f"the tool raised {exc.error_type or 'an error'}: {exc.message}",
-        error_type="ToolFailed",
-    )
-
-
-def _value_result(call: ToolCall, value: Any, limit: int, *, host: str | None = None) -> ToolResult:
-    """A successful result showing ``value``: a string as is, anything else as JSON."""
-    raw = value.encode() if isinstance(value, str) else _jsonable(value)
-    bounded = head_tail(raw, limit)
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        ok=True,
-        output=bounded.text(),
-        truncated=bounded.truncated,
-        output_bytes=len(raw),
-        host=host,
-    )
-
-
-async def _gather(jobs: Sequence[Callable[[], Awaitable[ToolResult]]]) -> list[ToolResult]:
-    """Run ``jobs`` concurrently; their results in order, or the first error once all ended."""
-    results: list[ToolResult | None] = [None] * len(jobs)
-    errors: dict[int, Exception] = {}
-
-    async def run(index: int) -> None:
-        try:
-            results[index] = await jobs[index]()
-        except Exception as exc:  # kept, so that one failure cancels nothing
-            errors[index] = exc
-
-    async with anyio.create_task_group() as group:
-        for index in range(len(jobs)):
-            group.start_soon(run, index)
-    if errors:
-        first = errors[min(errors)]
-        if len(errors) > 1:
-            first.add_note(f"{len(errors) - 1} more call(s) of this batch failed too")
-        raise first
-    return [result for result in results if result is not None]
+        return result
 
 
 class Session(AsyncResource):
-    """A private workspace on one host; every call of the session runs there.
+    """A private workspace per pool it uses; every call of the session runs in its pool's.
 
-    ``async with dispatcher.session() as session``: the workspace is made on
-    entry (on the pool's least-loaded host) and removed on exit, on error and
-    on cancellation. Closed or reaped, a session refuses calls with
-    :class:`~agent_backend.errors.PoolClosed`. On a pool without hosts (a Ray
-    pool, whose workers run their own tools) a session has no workspace: it
-    still groups calls, is reaped and closes the same way.
+    ``async with dispatcher.session() as session``: on a dispatcher of one
+    pool the workspace is made on entry (on the pool's least-loaded host); on
+    one of several, a workspace on a host of a pool is made the first time a
+    tool routed to that pool runs (a session that only calls Ray tools makes
+    none). Every workspace is removed on exit, together, on error and on
+    cancellation. Closed or reaped, a session refuses calls with
+    :class:`~agent_backend.errors.PoolClosed`. A pool without hosts (a Ray
+    pool, whose workers run their own tools) gives no workspace: the session
+    still groups its calls, is reaped and closes the same way.
     """
-
-    host: Host | None = None
-    """The host every call of the session runs on (set on entry); None on a pool without hosts."""
-    workspace: str | None = None
-    """The workspace's real path on :attr:`host` (set on entry); None without a host."""
 
     def __init__(self, dispatcher: Dispatcher, session_id: str) -> None:
         self.dispatcher = dispatcher
         self.id = session_id
         self._state: Literal["new", "open", "closed"] = "new"
         self._reason = ""
-        self._made: str | None = None  # what make_workspace returned, to remove
+        self._workspaces = SessionWorkspaces(session_id, timeout=dispatcher.default_timeout)
         self._calls: set[anyio.CancelScope] = set()
         self._calls_done: anyio.Event | None = None
         self._closed = anyio.Event()
 
+    @property
+    def host(self) -> Host | None:
+        """The host of the session's workspace on the default pool; None before one is made."""
+        made = self._workspaces.get(self.dispatcher.default)
+        return made.host if made is not None else None
+
+    @property
+    def workspace(self) -> str | None:
+        """The real path of the session's workspace on the default pool (on :attr:`host`)."""
+        made = self._workspaces.get(self.dispatcher.default)
+        return made.path if made is not None else None
+
+    def workspaces(self) -> dict[str, tuple[str, str]]:
+        """The workspaces made so far: pool name -> (host name, real path)."""
+        return {w.pool: (w.host.name, w.path or "") for w in self._workspaces.ready()}
+
     def __repr__(self) -> str:
-        where = (
-            f" {self.host.name}:{self.workspace}"
-            if self._made is not None and self.host is not None
-            else ""
-        )
+        where = f" {self._workspaces!r}" if self._workspaces.ready() else ""
         reason = f" ({self._reason})" if self._reason else ""
         return (
             f"<Session {self.id}{where} [calls: {len(self._calls)} active] {self._state}{reason}>"
@@ -684,36 +563,19 @@ class Session(AsyncResource):
         return self
 
     async def open(self) -> None:
-        """Make the workspace and register the session for reaping."""
+        """Register the session for reaping (and, with one pool of hosts, make its workspace)."""
         if self._state != "new":
             raise PoolError(f"session {self.id} can be opened once (it is {self._state})")
         dispatcher = self.dispatcher
         dispatcher._check_usable()
-        if not dispatcher.pool.hosts:  # the pool's workers run its tools: no workspace to make
-            self._register()
-            return
-        host = dispatcher.pool.pick_host()
-        # Shielded, so that a cancellation cannot lose a workspace the host made;
-        # bounded, so that a host that does not answer cannot hold us forever.
-        with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(dispatcher.default_timeout) as limit:
-                made = await host.make_workspace()
-            if limit.cancelled_caught:
-                raise BackendUnavailable(
-                    f"{host.name} did not create a workspace within {dispatcher.default_timeout:g} s",
-                    backend=dispatcher.pool.kind,
-                    host=host.name,
-                )
-        self.host = host
-        self._made = made
-        try:
-            await anyio.lowlevel.checkpoint_if_cancelled()
-            self.workspace = await host.realpath(made)
-            dispatcher._check_usable()
-        except BaseException:
-            self._mark_closed("failed to open")
-            await self._finish_close()
-            raise
+        if len(dispatcher.pools) == 1 and dispatcher.pool.hosts:
+            try:
+                await self._workspaces.ensure(dispatcher.default, dispatcher.pool)
+                dispatcher._check_usable()
+            except BaseException:
+                self._mark_closed("failed to open")
+                await self._finish_close()
+                raise
         self._register()
 
     def _register(self) -> None:
@@ -727,36 +589,25 @@ class Session(AsyncResource):
             return
         self._state = "closed"
         self._reason = reason
+        self._workspaces.close()
         self.dispatcher._sessions.discard(self)
         self.dispatcher._table.remove(self)
         for scope in self._calls:
             scope.cancel()
 
     async def _finish_close(self) -> None:
-        """Wait (bounded) for cancelled calls to end, then remove the workspace; shielded."""
+        """Wait (bounded) for cancelled calls to end, then remove the workspaces; shielded."""
         with anyio.CancelScope(shield=True):
             try:
                 if self._calls:
                     self._calls_done = anyio.Event()
                     with anyio.move_on_after(self.dispatcher.backstop_grace + _CLOSE_WAIT):
                         await self._calls_done.wait()
-                made, self._made = self._made, None
-                if made is not None and self.host is not None:
-                    with anyio.move_on_after(self.dispatcher.default_timeout) as limit:
-                        await self.host.remove_workspace(made)
-                    if limit.cancelled_caught:
-                        logger.warning("%s: removing workspace %s timed out", self.host.name, made)
-            except Exception:
-                # Never raised: closing must go on for the other sessions (a reaper
-                # pass, the dispatcher's aclose), and the caller cannot fix it.
-                logger.warning(
-                    "session %s: removing its workspace on %s failed",
-                    self.id,
-                    self.host.name if self.host is not None else "?",
-                    exc_info=True,
-                )
             finally:
-                self._closed.set()
+                try:
+                    await self._workspaces.remove_all()  # logs its failures, raises none
+                finally:
+                    self._closed.set()
 
     async def aclose(self) -> None:
         """End the session: calls in flight are ended, the workspace removed; idempotent."""
@@ -795,7 +646,7 @@ class Session(AsyncResource):
     ) -> list[ToolResult]:
         """Run independent calls of this session concurrently; results in call order."""
         items = [as_tool_call(call, index) for index, call in enumerate(calls)]
-        return await _gather([functools.partial(self._call, item, timeout) for item in items])
+        return await gather([functools.partial(self._call, item, timeout) for item in items])
 
     async def _call(self, call: ToolCall, call_timeout: float | None) -> ToolResult:
         if self._state != "open":

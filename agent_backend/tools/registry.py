@@ -32,7 +32,7 @@ from agent_backend.errors import SchemaError, ToolArgumentError, UnknownToolErro
 from agent_backend.tools import export
 from agent_backend.tools.calls import ToolCall
 from agent_backend.tools.functions import tool_from_function
-from agent_backend.tools.tool import Tool
+from agent_backend.tools.tool import Tool, with_pool
 
 __all__ = ["PreparedCall", "ToolRegistry", "load_tool_file"]
 
@@ -188,26 +188,41 @@ class ToolRegistry:
         return alias
 
     def add_function(
-        self, fn: Callable[..., Any], *, name: str | None = None, description: str | None = None
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        pool: str | None = None,
     ) -> Tool:
-        """Add a tool running ``fn``; see :func:`tool_from_function`."""
-        return self.add(tool_from_function(fn, name=name, description=description))
+        """Add a tool running ``fn``; see :func:`tool_from_function`.
+
+        ``pool`` names the dispatcher's pool whose workers run it (a Ray pool
+        that lists the same function): ``x-agent-backend.pool``.
+        """
+        tool = tool_from_function(fn, name=name, description=description)
+        return self.add(tool if pool is None else with_pool(tool, pool))
 
     @overload
     def tool(self, fn: F) -> F: ...
 
     @overload
     def tool(
-        self, *, name: str | None = None, description: str | None = None
+        self, *, name: str | None = None, description: str | None = None, pool: str | None = None
     ) -> Callable[[F], F]: ...
 
     def tool(
-        self, fn: F | None = None, *, name: str | None = None, description: str | None = None
+        self,
+        fn: F | None = None,
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        pool: str | None = None,
     ) -> F | Callable[[F], F]:
         """Decorator form of :meth:`add_function`; the function itself is returned unchanged."""
 
         def register(function: F) -> F:
-            self.add_function(function, name=name, description=description)
+            self.add_function(function, name=name, description=description, pool=pool)
             return function
 
         return register if fn is None else register(fn)

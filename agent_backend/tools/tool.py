@@ -26,7 +26,10 @@ import anyio.to_thread
 from agent_backend.errors import SchemaError
 from agent_backend.schema import CompiledSchema, compile_schema
 
-__all__ = ["TOOL_NAME_PATTERN", "Tool", "check_tool_name"]
+__all__ = ["EXECUTION_BLOCK", "TOOL_NAME_PATTERN", "Tool", "check_tool_name", "with_pool"]
+
+#: The block of a tool definition that says how and where the tool runs (read by dispatch).
+EXECUTION_BLOCK = "x-agent-backend"
 
 #: Names a tool may have: OpenAI's alphabet plus ``.`` (BFCL names such as
 #: ``math.factorial``). Exports that forbid ``.`` map it to ``_``.
@@ -141,6 +144,22 @@ class Tool:
             # async function, a decorator that lost the marker).
             return await result
         return result
+
+
+def with_pool(tool: Tool, pool: str) -> Tool:
+    """``tool`` routed to the dispatcher's pool named ``pool`` (its ``x-agent-backend.pool``)."""
+    if not isinstance(pool, str) or not pool:
+        raise SchemaError(
+            f"tool {tool.name!r}: a pool name is a non-empty string",
+            source=tool.source,
+            pointer=f"/{EXECUTION_BLOCK}/pool",
+        )
+    block = tool.meta.get(EXECUTION_BLOCK)
+    meta = {
+        **tool.meta,
+        EXECUTION_BLOCK: {**(block if isinstance(block, Mapping) else {}), "pool": pool},
+    }
+    return dataclasses.replace(tool, meta=meta)
 
 
 def _rebuild(fields: dict[str, Any]) -> Tool:

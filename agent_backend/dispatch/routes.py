@@ -1,0 +1,200 @@
+"""Which pool runs each tool: :func:`route`, a pure function of the tool and the pools' shapes.
+
+A :class:`~agent_backend.dispatch.Dispatcher` may drive several named pools
+(``Dispatcher(registry, pools={"cmd": ssh, "gpu": ray}, default="cmd")``).
+Each tool of its registry gets a :class:`Route` once, before its first call:
+
+1. a tool a pool *hosts* (its workers run it: a Ray pool's Python tools)
+   goes to that pool;
+2. a tool whose ``x-agent-backend`` block names a pool (``pool = "gpu"``,
+   ``@registry.tool(pool="gpu")``) goes there: a built-in or a command to a
+   pool with hosts, a Python function to a pool whose workers run a tool of
+   that name (the registry's tool, a Python function or a bare definition,
+   is then the declaration of the hosted one);
+3. otherwise by execution kind: a Python function runs in this process (no
+   pool); a built-in or a command goes to the default pool when it has hosts,
+   else to the first pool with hosts; ``x-agent-backend.backend = "ssh"``
+   narrows that to pools of that kind.
+
+A tool that no pool can run is a :class:`~agent_backend.errors.ConfigError`
+naming its file and the key. The ``pool`` key is read here, not by
+:class:`~agent_backend.dispatch.spec.ExecutionSpec`: that spec says *how* a
+tool runs, a route says *where*.
+
+Pure: no I/O, no pool is touched; the dispatcher passes a
+:class:`PoolShape` per pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic
+
+from agent_backend.dispatch.spec import (
+    META_KEY,
+    ExecutionKind,
+    ExecutionSpec,
+    config_error,
+    execution_kind,
+)
+from agent_backend.errors import ConfigError, clip
+from agent_backend.tools import Tool
+
+__all__ = ["DEFAULT_POOL_NAME", "POOL_KEY", "PoolShape", "Route", "read_spec", "route"]
+
+#: The name of the one pool of ``Dispatcher(registry, backend)``.
+DEFAULT_POOL_NAME = "default"
+
+#: The key of the ``x-agent-backend`` block that names a tool's pool.
+POOL_KEY = "pool"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolShape:
+    """What routing needs to know of one pool."""
+
+    name: str
+    kind: str
+    """The backend's kind: ``local``, ``ssh``, ``ray``."""
+    has_hosts: bool
+    """It runs commands and built-ins."""
+    hosted: frozenset[str] | None = frozenset()
+    """Names of the tools its workers run; None: not known yet (the pool is not open)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    """Where one tool runs: ``pool`` (None: in this process), as ``kind``."""
+
+    pool: str | None
+    kind: ExecutionKind
+
+
+def read_spec(tool: Tool) -> tuple[ExecutionSpec, str | None]:
+    """``tool``'s :class:`ExecutionSpec` and the pool its block names (None: none).
+
+    :class:`ConfigError` naming the tool's file for a malformed block.
+    """
+    where = tool.source or f"tool {tool.name!r}"
+    raw: Any = tool.meta.get(META_KEY)
+    if raw is None:
+        return ExecutionSpec(), None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(
+            f"{where}: {META_KEY}: expected an object",
+            file=tool.source,
+            key=META_KEY,
+            expected="an object",
+        )
+    block = dict(raw)
+    pool = block.pop(POOL_KEY, None)
+    if pool is not None and (not isinstance(pool, str) or not pool):
+        raise ConfigError(
+            f"{where}: {META_KEY}.{POOL_KEY}: expected a pool name (got {clip(repr(pool), 60)})",
+            file=tool.source,
+            key=f"{META_KEY}.{POOL_KEY}",
+            expected="a non-empty string naming one of the dispatcher's pools",
+        )
+    try:
+        spec = ExecutionSpec.model_validate(block)
+    except pydantic.ValidationError as exc:
+        raise config_error(exc, file=where, prefix=META_KEY) from None
+    return spec, pool
+
+
+def route(
+    tool: Tool,
+    pools: Mapping[str, PoolShape],
+    default: str,
+    *,
+    hosted_by: str | None = None,
+) -> Route:
+    """Where ``tool`` runs among ``pools`` (``default`` first for host tools).
+
+    ``hosted_by`` names the pool whose :meth:`~agent_backend.dispatch.Backend.hosted_tools`
+    gave this very tool object.
+    """
+    if hosted_by is not None:
+        return Route(hosted_by, "hosted")
+    spec, named = read_spec(tool)
+    if named is not None and tool.function is None and spec.builtin is spec.command is None:
+        kind: ExecutionKind = "function"  # a bare definition: the named pool's workers run it
+    else:
+        kind = execution_kind(tool, spec)
+    where = tool.source or tool.name
+    key = f"{META_KEY}.{POOL_KEY}"
+    if named is not None:
+        shape = pools.get(named)
+        if shape is None:
+            names = ", ".join(repr(name) for name in pools)
+            raise ConfigError(
+                f"{where}: tool {tool.name!r} names pool {named!r}; this dispatcher has {names}",
+                file=tool.source,
+                key=key,
+                expected=f"one of {names}",
+            )
+        if kind == "function":
+            if shape.hosted is None or tool.name in shape.hosted:
+                return Route(named, "hosted")
+            raise ConfigError(
+                f"{where}: tool {tool.name!r} is a Python function routed to pool {named!r}, "
+                f"whose workers run no tool of that name (they run: "
+                f"{', '.join(sorted(shape.hosted)) or 'none'}); list it in the pool's tools, "
+                "or drop the pool to run it in this process",
+                file=tool.source,
+                key=key,
+                expected=f"a pool whose workers run {tool.name!r}",
+            )
+        if not shape.has_hosts:
+            raise ConfigError(
+                f"{where}: tool {tool.name!r} runs a {kind} on a host, and pool {named!r} "
+                f"({shape.kind}) has no hosts",
+                file=tool.source,
+                key=key,
+                expected="a pool with hosts (local or ssh)",
+            )
+        _check_backend(tool, spec, shape)
+        return Route(named, kind)
+    if kind == "function":
+        return Route(None, "function")
+    candidates = [
+        shape
+        for shape in (pools[default], *pools.values())
+        if shape.has_hosts and spec.backend in (None, shape.kind)
+    ]
+    if not candidates:
+        if spec.backend is not None and any(s.kind != spec.backend for s in pools.values()):
+            _check_backend(tool, spec, pools[default])
+        hosted = ", ".join(sorted(name for s in pools.values() for name in (s.hosted or ())))
+        which = (
+            f"the {pools[default].kind} pool has no hosts (it runs its own tools"
+            if len(pools) == 1
+            else f"none of the pools {_describe(pools)} has hosts (they run their own tools"
+        )
+        raise ConfigError(
+            f"{where}: tool {tool.name!r} runs a {kind} on a host, and {which}: "
+            f"{hosted or 'none'}); give this dispatcher a registry without it, or a local "
+            "or ssh pool",
+            file=tool.source,
+            key=META_KEY,
+            expected="a tool one of the pools can run",
+        )
+    return Route(candidates[0].name, kind)
+
+
+def _check_backend(tool: Tool, spec: ExecutionSpec, shape: PoolShape) -> None:
+    if spec.backend not in (None, shape.kind):
+        raise ConfigError(
+            f"{tool.source or tool.name}: tool {tool.name!r} must run on a "
+            f"{spec.backend!r} pool, and this one is {shape.kind!r}",
+            file=tool.source,
+            key=f"{META_KEY}.backend",
+            expected=repr(shape.kind),
+        )
+
+
+def _describe(pools: Mapping[str, PoolShape]) -> str:
+    return ", ".join(f"{name}: {shape.kind}" for name, shape in pools.items())

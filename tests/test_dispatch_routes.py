@@ -1,0 +1,252 @@
+"""Routes: one Dispatcher over several pools.
+
+The routing function alone (pure), then a dispatcher over two real local
+pools (workspaces made per pool on first use, closed together, a pool that
+is down fails naming it while the other serves), then the mixed case the
+feature exists for: shell tools on a real sshd, a reward tool on a real
+local Ray, in one session.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.dispatch import (
+    DEFAULT_POOL_NAME,
+    Dispatcher,
+    PoolShape,
+    Route,
+    builtin_tools,
+    route,
+)
+from agent_backend.errors import BackendUnavailable, ConfigError
+from agent_backend.tools import Tool, ToolRegistry
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+
+CMD = PoolShape("cmd", "ssh", has_hosts=True)
+LOCAL = PoolShape("local", "local", has_hosts=True)
+GPU = PoolShape("gpu", "ray", has_hosts=False, hosted=frozenset({"score"}))
+POOLS = {"cmd": CMD, "local": LOCAL, "gpu": GPU}
+
+
+def command_tool(name: str = "grep", **block: Any) -> Tool:
+    return Tool(
+        name,
+        meta={"x-agent-backend": {"command": ["grep", "-r"], **block}},
+        source=f"tools/{name}.json",
+    )
+
+
+def builtin(name: str) -> Tool:
+    return next(tool for tool in builtin_tools() if tool.name == name)
+
+
+# -- the routing function alone -------------------------------------------------------------
+
+
+def test_host_tools_go_to_the_default_pool_and_functions_stay_here() -> None:
+    assert route(builtin("exec"), POOLS, "cmd") == Route("cmd", "builtin")
+    assert route(command_tool(), POOLS, "local") == Route("local", "command")
+    assert route(Tool("f", function=lambda: 1), POOLS, "cmd") == Route(None, "function")
+
+
+def test_a_default_pool_without_hosts_sends_host_tools_to_the_first_with_hosts() -> None:
+    assert route(builtin("read_file"), POOLS, "gpu") == Route("cmd", "builtin")
+
+
+def test_the_backend_key_narrows_host_tools_to_pools_of_that_kind() -> None:
+    assert route(command_tool(backend="local"), POOLS, "cmd") == Route("local", "command")
+    with pytest.raises(ConfigError, match="must run on a 'ssh' pool") as caught:
+        route(command_tool(backend="ssh"), {"local": LOCAL}, "local")
+    assert caught.value.key == "x-agent-backend.backend"
+
+
+def test_the_pool_key_routes_explicitly() -> None:
+    assert route(command_tool(pool="local"), POOLS, "cmd") == Route("local", "command")
+    # A Python function named for a pool whose workers run it: the hosted tool's declaration.
+    declared = Tool("score", function=lambda: 0.0, meta={"x-agent-backend": {"pool": "gpu"}})
+    assert route(declared, POOLS, "cmd") == Route("gpu", "hosted")
+    # A definition without a function or command, for a pool not open yet (its tools unknown).
+    later = PoolShape("later", "ray", has_hosts=False, hosted=None)
+    bare = Tool("rank", meta={"x-agent-backend": {"pool": "later"}}, source="tools/rank.json")
+    assert route(bare, {**POOLS, "later": later}, "cmd") == Route("later", "hosted")
+    # A tool a pool hosts (the very object it gave) goes there whatever else it says.
+    assert route(Tool("score"), POOLS, "cmd", hosted_by="gpu") == Route("gpu", "hosted")
+
+
+@pytest.mark.parametrize(
+    ("tool", "key", "match"),
+    [
+        (command_tool(pool="nope"), "x-agent-backend.pool", "names pool 'nope'"),
+        (command_tool(pool="gpu"), "x-agent-backend.pool", "has no hosts"),
+        (command_tool(pool=""), "x-agent-backend.pool", "expected a pool name"),
+        (command_tool(pool="cmd", backend="local"), "x-agent-backend.backend", "'local' pool"),
+        (
+            Tool("rank", function=lambda: 0, meta={"x-agent-backend": {"pool": "gpu"}}),
+            "x-agent-backend.pool",
+            "run no tool of that name",
+        ),
+        (command_tool(timeout=-1), "x-agent-backend.timeout", "greater than 0"),
+    ],
+    ids=["unknown", "no-hosts", "empty", "wrong-kind", "not-hosted", "bad-block"],
+)
+def test_a_tool_no_pool_can_run_is_a_config_error_naming_its_key(
+    tool: Tool, key: str, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match) as caught:
+        route(tool, POOLS, "cmd")
+    assert caught.value.key == key
+
+
+def test_registry_tool_decorator_takes_the_pool() -> None:
+    registry = ToolRegistry()
+
+    @registry.tool(pool="gpu")
+    def score(text: str) -> float:
+        """Score a text."""
+        return float(len(text))
+
+    assert registry.get("score").meta["x-agent-backend"] == {"pool": "gpu"}
+    assert score("ab") == 2.0  # the function itself is returned unchanged
+    assert route(registry.get("score"), POOLS, "cmd") == Route("gpu", "hosted")
+
+
+def test_backend_errors_pickle_with_the_pool() -> None:
+    error = BackendUnavailable("pool 'gpu' is down", backend="ray", host="n1", pool="gpu")
+    clone = pickle.loads(pickle.dumps(error))
+    assert (clone.pool, clone.backend, clone.host, str(clone)) == ("gpu", "ray", "n1", str(error))
+
+
+# -- two real local pools -------------------------------------------------------------------
+
+
+@pytest.fixture
+async def two_pools(tmp_path: Path) -> AsyncIterator[dict[str, LocalBackend]]:
+    roots = {name: tmp_path / name for name in ("a", "b")}
+    async with (
+        LocalBackend(LocalPoolConfig(workspace_root=str(roots["a"]), spare_workspaces=0)) as a,
+        LocalBackend(LocalPoolConfig(workspace_root=str(roots["b"]), spare_workspaces=0)) as b,
+    ):
+        yield {"a": a, "b": b}
+
+
+def made_in(root: Path) -> list[str]:
+    return sorted(p.name for p in root.glob("agent-backend-ws-*")) if root.is_dir() else []
+
+
+def two_pool_registry() -> ToolRegistry:
+    registry = ToolRegistry(builtin_tools())
+    registry.add(
+        Tool(
+            "where_b",
+            meta={"x-agent-backend": {"command": ["pwd"], "pool": "b"}},
+            source="tools/where_b.json",
+        )
+    )
+
+    @registry.tool
+    def ping() -> str:
+        """Runs in this process."""
+        return "pong"
+
+    return registry
+
+
+async def test_one_pool_keeps_its_name_and_its_eager_workspace(
+    two_pools: dict[str, LocalBackend], tmp_path: Path
+) -> None:
+    async with Dispatcher(ToolRegistry(builtin_tools()), two_pools["a"]) as dispatcher:
+        assert list(dispatcher.pools) == [DEFAULT_POOL_NAME]
+        assert dispatcher.default == "default"
+        assert "pool=local" in repr(dispatcher)
+        async with dispatcher.session() as session:
+            assert session.workspace is not None  # made on entry, as before routes
+            assert len(made_in(tmp_path / "a")) == 1
+        assert made_in(tmp_path / "a") == []
+
+
+async def test_a_session_makes_a_workspace_per_pool_on_first_use_and_closes_them_together(
+    two_pools: dict[str, LocalBackend], tmp_path: Path
+) -> None:
+    async with Dispatcher(two_pool_registry(), pools=two_pools, default="a") as dispatcher:
+        assert "pools=a:local,b:local" in repr(dispatcher)
+        async with dispatcher.session() as session:
+            assert (await session.call(("ping", {}))).output == "pong"
+            assert session.workspaces() == {}
+            assert session.workspace is None
+            assert made_in(tmp_path / "a") == made_in(tmp_path / "b") == []
+
+            on_b = await session.call(("where_b", {}))
+            assert on_b.ok, on_b
+            assert made_in(tmp_path / "a") == []  # pool a not used yet: nothing made there
+            assert on_b.output.strip() == session.workspaces()["b"][1]
+            assert on_b.output.strip().startswith(str(await anyio.Path(tmp_path / "b").resolve()))
+
+            on_a = await session.call(("exec", {"command": "pwd"}))
+            assert on_a.output.strip() == session.workspace
+            assert set(session.workspaces()) == {"a", "b"}
+            again = await session.call(("where_b", {}))  # the same workspace, not a new one
+            assert again.output == on_b.output
+            assert len(made_in(tmp_path / "b")) == 1
+        assert made_in(tmp_path / "a") == made_in(tmp_path / "b") == []
+
+
+async def test_concurrent_first_calls_make_one_workspace(
+    two_pools: dict[str, LocalBackend], tmp_path: Path
+) -> None:
+    dispatcher = Dispatcher(two_pool_registry(), pools=two_pools, default="a")
+    async with dispatcher, dispatcher.session() as session:
+        results = await session.call_many([("where_b", {})] * 8)
+        assert {result.output for result in results} == {results[0].output}
+        assert len(made_in(tmp_path / "b")) == 1
+
+
+async def test_a_pool_that_is_down_fails_naming_it_and_the_other_keeps_serving(
+    two_pools: dict[str, LocalBackend], tmp_path: Path
+) -> None:
+    async with Dispatcher(two_pool_registry(), pools=two_pools, default="a") as dispatcher:
+        async with dispatcher.session() as session:
+            assert (await session.call(("exec", {"command": "true"}))).ok
+            await two_pools["b"].aclose()
+            with pytest.raises(BackendUnavailable, match="pool 'b'") as caught:
+                await session.call(("where_b", {}))
+            assert caught.value.pool == "b"
+            assert caught.value.backend == "local"
+            with pytest.raises(BackendUnavailable) as sessionless:
+                await dispatcher.call(("where_b", {}))
+            assert sessionless.value.pool == "b"
+            assert (await session.call(("exec", {"command": "echo still"}))).output == "still\n"
+        # The other pool's workspace went, even though its sibling pool was down.
+        assert made_in(tmp_path / "a") == []
+
+
+async def test_closing_a_session_removes_every_workspace_even_when_one_removal_fails(
+    two_pools: dict[str, LocalBackend], tmp_path: Path
+) -> None:
+    async with Dispatcher(two_pool_registry(), pools=two_pools, default="a") as dispatcher:
+        session = await dispatcher.session().__aenter__()
+        assert (await session.call(("where_b", {}))).ok
+        assert (await session.call(("exec", {"command": "true"}))).ok
+        await two_pools["b"].aclose()  # removing b's workspace now fails (logged)
+        with anyio.CancelScope() as scope:
+            scope.cancel()  # closing is shielded: a cancelled closer still closes everything
+            await session.aclose()
+        assert session.is_closed()
+        assert made_in(tmp_path / "a") == []
+        await session.aclose()  # idempotent
+
+
+def test_pools_are_given_one_way() -> None:
+    registry = ToolRegistry()
+    with pytest.raises(TypeError):
+        Dispatcher(registry)
+    with pytest.raises(ValueError, match="default pool 'x'"):
+        Dispatcher(registry, pools={"a": LocalBackend(LocalPoolConfig())}, default="x")

@@ -410,8 +410,9 @@ async def main(quick: bool) -> int:
                 c.client_cpu / p.client_cpu for c, p in zip(clients, plains, strict=True)
             )
             print(
-                f"  x{concurrency:<3} ratios {' '.join(f'{r:.3f}' for r in ratios)};"
-                f" median {median:.3f}x; Client {statistics.median(c.rate for c in clients):,.0f}"
+                f"  x{concurrency:<3} round ratios: quartiles"
+                f" {' '.join(f'{q:.3f}' for q in statistics.quantiles(ratios, n=4))},"
+                f" min {min(ratios):.3f}, max {max(ratios):.3f}; median {median:.3f}x; Client {statistics.median(c.rate for c in clients):,.0f}"
                 f" vs plain {statistics.median(p.rate for p in plains):,.0f} calls/s;"
                 f" client CPU per call {cpu:.3f}x the plain session's"
             )

@@ -21,24 +21,39 @@ file's directory.
 object, so an installed package needs no data file for it; ``pools/local.toml``
 spells out the same configuration key by key, and a test keeps the two equal.
 
+A *set* of pools lives in one file too (``pools/mixed.example.toml``): one
+table per pool under ``[pools.NAME]``, each a pool as above, and
+``default = "NAME"`` (the pool host tools go to unless their route says
+otherwise; absent: the first). :func:`load_pools` reads either kind of file
+(a single pool becomes the set ``{"default": pool}``) and gives a
+:class:`PoolSet`, which opens and closes its backends together, for
+``Dispatcher(registry, pools=set.backends, default=set.default)``.
+
 This module reads files and builds objects; it must never start a backend
 (that is ``async with``) or open a connection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+import anyio
 import pydantic
 
 from agent_backend.backends.local import LocalPoolConfig
+from agent_backend.dispatch import DEFAULT_POOL_NAME
 from agent_backend.dispatch.backend import Backend
 from agent_backend.dispatch.spec import config_error
 from agent_backend.errors import ConfigError, clip
+from agent_backend.lifecycle import AsyncResource
 
 if TYPE_CHECKING:
     from agent_backend.backends.ray import RayPoolConfig
@@ -52,11 +67,18 @@ __all__ = [
     "DEFAULT_POOL",
     "POOL_TYPES",
     "PoolConfig",
+    "PoolSet",
+    "PoolSetConfig",
     "load_pool",
     "load_pool_config",
+    "load_pools",
+    "load_pools_config",
     "pool_config_from_dict",
     "pool_from_config",
+    "pool_set_config_from_dict",
 ]
+
+logger = logging.getLogger("agent_backend.pool")
 
 #: The embedded default: a local pool with every default (what ``pools/local.toml`` says).
 DEFAULT_POOL = LocalPoolConfig()
@@ -110,8 +132,7 @@ def pool_config_from_dict(
     return config
 
 
-def load_pool_config(path: str | os.PathLike[str]) -> PoolConfig:
-    """The pool config in the TOML file at ``path``; :class:`ConfigError` if it is wrong."""
+def _read_toml(path: str | os.PathLike[str]) -> tuple[str, dict[str, Any]]:
     file = os.fspath(path)
     try:
         text = Path(file).read_text(encoding="utf-8")
@@ -125,6 +146,12 @@ def load_pool_config(path: str | os.PathLike[str]) -> PoolConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{file}: not valid TOML: {exc}", file=file, expected="TOML") from None
+    return file, data
+
+
+def load_pool_config(path: str | os.PathLike[str]) -> PoolConfig:
+    """The pool config in the TOML file at ``path``; :class:`ConfigError` if it is wrong."""
+    file, data = _read_toml(path)
     return pool_config_from_dict(data, file=file, config_dir=Path(file).resolve().parent)
 
 
@@ -148,3 +175,152 @@ def load_pool(source: str | os.PathLike[str] | PoolConfig = DEFAULT_POOL) -> Bac
     if isinstance(source, (str, os.PathLike)):
         return pool_from_config(load_pool_config(source))
     return pool_from_config(source)
+
+
+# -- sets of pools ---------------------------------------------------------------------------
+
+_POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSetConfig:
+    """Named pool configs and the default's name: what a pool-set file holds."""
+
+    pools: Mapping[str, PoolConfig]
+    default: str
+
+    def __post_init__(self) -> None:
+        if not self.pools:
+            raise ValueError("a pool set needs at least one pool")
+        if self.default not in self.pools:
+            raise ValueError(f"default pool {self.default!r} is not one of {', '.join(self.pools)}")
+
+
+def pool_set_config_from_dict(
+    data: object, *, file: str | None = None, config_dir: str | os.PathLike[str] | None = None
+) -> PoolSetConfig:
+    """The pool set ``data`` describes (``pools`` tables and ``default``), or a single pool as
+    the set ``{"default": pool}``; :class:`ConfigError` (naming ``file`` and the key) if wrong."""
+    where = file or "<config>"
+    if not isinstance(data, dict) or "pools" not in data:
+        single = pool_config_from_dict(data, file=file, config_dir=config_dir)
+        return PoolSetConfig({DEFAULT_POOL_NAME: single}, DEFAULT_POOL_NAME)
+    unknown = sorted(set(data) - {"pools", "default"})
+    if unknown:
+        raise ConfigError(
+            f"{where}: {unknown[0]}: no such key in a pool set (it has [pools.NAME] tables "
+            "and default); a single pool's keys go in a file of their own",
+            file=file,
+            key=unknown[0],
+            expected="no such key (unknown keys are refused)",
+        )
+    tables = data["pools"]
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(
+            f"{where}: pools: expected one [pools.NAME] table per pool",
+            file=file,
+            key="pools",
+            expected="a table of pools, at least one",
+        )
+    pools: dict[str, PoolConfig] = {}
+    for name, table in tables.items():
+        if _POOL_NAME.fullmatch(name) is None:
+            raise ConfigError(
+                f"{where}: pools.{clip(name, 70)}: a pool name is 1-64 of A-Z a-z 0-9 _ . -",
+                file=file,
+                key=f"pools.{name}",
+                expected="a name of 1-64 characters from A-Z a-z 0-9 _ . -",
+            )
+        try:
+            pools[name] = pool_config_from_dict(table, file=file, config_dir=config_dir)
+        except ConfigError as exc:
+            key = f"pools.{name}.{exc.key}" if exc.key else f"pools.{name}"
+            message = exc.message.replace(f"{where}: ", f"{where}: pools.{name}.")
+            raise ConfigError(message, file=file, key=key, expected=exc.expected) from None
+    default = data.get("default", next(iter(pools)))
+    if not isinstance(default, str) or default not in pools:
+        names = ", ".join(repr(name) for name in pools)
+        raise ConfigError(
+            f"{where}: default: expected the name of one of the pools ({names}), "
+            f"got {clip(repr(default), 60)}",
+            file=file,
+            key="default",
+            expected=f"one of {names}",
+        )
+    return PoolSetConfig(pools, default)
+
+
+def load_pools_config(path: str | os.PathLike[str]) -> PoolSetConfig:
+    """The pool set in the TOML file at ``path`` (a pool-set file, or one pool's file)."""
+    file, data = _read_toml(path)
+    return pool_set_config_from_dict(data, file=file, config_dir=Path(file).resolve().parent)
+
+
+class PoolSet(AsyncResource):
+    """Named backends opened and closed together: ``async with load_pools(file) as pools``.
+
+    Entering starts each backend in file order; if one fails to start, the
+    ones started are closed and the error is raised. Closing closes every
+    backend, shielded, each on its own: one that fails is logged and never
+    keeps the others open.
+    """
+
+    def __init__(self, backends: Mapping[str, Backend], default: str) -> None:
+        if default not in backends:
+            raise ValueError(f"default pool {default!r} is not one of {', '.join(backends)}")
+        self.backends: dict[str, Backend] = dict(backends)
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"<PoolSet {self.describe()} default={self.default}>"
+
+    def describe(self) -> str:
+        """``local`` for one pool; ``cmd: ssh, gpu: ray`` for several."""
+        if len(self.backends) == 1:
+            return next(iter(self.backends.values())).kind
+        return ", ".join(f"{name}: {backend.kind}" for name, backend in self.backends.items())
+
+    def has_hosts(self) -> bool:
+        """Some pool runs commands (not only its own tools)."""
+        return any(backend.hosts for backend in self.backends.values())
+
+    def dispatcher_options(self) -> dict[str, Any]:
+        """``Dispatcher(registry, **pools.dispatcher_options())``."""
+        return {"pools": self.backends, "default": self.default}
+
+    async def __aenter__(self) -> PoolSet:
+        try:
+            for backend in self.backends.values():
+                await backend.__aenter__()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as group:
+                for name, backend in self.backends.items():
+                    group.start_soon(_close_one, name, backend)
+
+
+async def _close_one(name: str, backend: Backend) -> None:
+    try:
+        await backend.aclose()
+    except Exception:
+        logger.warning("closing pool %r (%s) failed", name, backend.kind, exc_info=True)
+
+
+def load_pools(
+    source: str | os.PathLike[str] | PoolConfig | PoolSetConfig = DEFAULT_POOL,
+) -> PoolSet:
+    """The backends a pool-set file (or one pool's file, or a config object) describes.
+
+    Start them with ``async with``; :class:`ConfigError` for a bad file.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        source = load_pools_config(source)
+    if not isinstance(source, PoolSetConfig):
+        source = PoolSetConfig({DEFAULT_POOL_NAME: source}, DEFAULT_POOL_NAME)
+    backends = {name: pool_from_config(config) for name, config in source.pools.items()}
+    return PoolSet(backends, source.default)

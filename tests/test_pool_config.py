@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ray_fixtures import require_ray
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
@@ -16,8 +17,11 @@ from agent_backend.errors import ConfigError
 from agent_backend.pool import (
     DEFAULT_POOL,
     POOL_TYPES,
+    PoolSet,
     load_pool,
     load_pool_config,
+    load_pools,
+    load_pools_config,
     pool_config_from_dict,
     pool_from_config,
 )
@@ -25,6 +29,7 @@ from agent_backend.tools import ToolRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_TOML = ROOT / "pools" / "local.toml"
+MIXED_TOML = ROOT / "pools" / "mixed.example.toml"
 TOOLS_DIR = ROOT / "schemas" / "tools"
 
 
@@ -159,6 +164,76 @@ def test_a_local_pool_file_does_not_import_the_other_backends(tmp_path: Path) ->
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# -- sets of pools ------------------------------------------------------------------------------
+
+
+def test_the_mixed_example_is_a_set_of_a_command_pool_and_a_ray_pool() -> None:
+    require_ray()
+    from agent_backend.backends.ray import RayPoolConfig
+
+    config = load_pools_config(MIXED_TOML)
+    assert config.default == "cmd"
+    assert list(config.pools) == ["cmd", "gpu"]
+    assert isinstance(config.pools["cmd"], LocalPoolConfig)
+    gpu = config.pools["gpu"]
+    assert isinstance(gpu, RayPoolConfig)
+    assert [tool.name for tool in gpu.tools] == ["score"]
+    pools = load_pools(MIXED_TOML)  # built, not started: nothing connects
+    assert isinstance(pools, PoolSet)
+    assert repr(pools) == "<PoolSet cmd: local, gpu: ray default=cmd>"
+    assert pools.dispatcher_options()["default"] == "cmd"
+
+
+def test_a_single_pool_file_loads_as_a_set_of_one() -> None:
+    config = load_pools_config(LOCAL_TOML)
+    assert dict(config.pools) == {"default": DEFAULT_POOL}
+    assert config.default == "default"
+    pools = load_pools()
+    assert pools.describe() == "local"
+    assert pools.has_hosts()
+
+
+@pytest.mark.anyio
+async def test_a_pool_set_opens_and_closes_its_backends_together(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'default = "b"\n[pools.a]\ntype = "local"\n[pools.b]\ntype = "local"\nshell = "/bin/sh"\n',
+    )
+    async with load_pools(path) as pools:
+        a, b = pools.backends["a"], pools.backends["b"]
+        assert isinstance(a, LocalBackend)
+        assert isinstance(b, LocalBackend)
+        async with Dispatcher(ToolRegistry.from_dir(TOOLS_DIR), **pools.dispatcher_options()) as d:
+            assert d.default == "b"
+            assert d.pool is b
+            assert (await d.call(("exec", {"command": "echo hi"}))).output == "hi\n"
+    assert a.host.is_closed()
+    assert b.host.is_closed()
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "expected"),
+    [
+        ('default = "c"\n[pools.a]\ntype = "local"\n', "default", "one of 'a'"),
+        ("pools = {}\n", "pools", "at least one"),
+        ('[pools.a]\ntype = "local"\nbogus = 1\n', "pools.a.bogus", "no such key"),
+        ('[pools.a]\ntype = "lokal"\n', "pools.a.type", "one of 'local'"),
+        ('[pools."a b"]\ntype = "local"\n', "pools.a b", "1-64 characters"),
+        ('type = "local"\n[pools.a]\ntype = "local"\n', "type", "no such key"),
+    ],
+)
+def test_a_bad_pool_set_names_file_key_and_expectation(
+    tmp_path: Path, text: str, key: str, expected: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_pools(path)
+    assert caught.value.file == str(path)
+    assert caught.value.key == key
+    assert expected in caught.value.expected, caught.value.expected
+    assert str(caught.value).startswith(f"{path}: {key}")
 
 
 # -- built-in tool files --------------------------------------------------------------------------

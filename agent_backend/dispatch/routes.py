@@ -120,7 +120,12 @@ def route(
     if hosted_by is not None:
         return Route(hosted_by, "hosted")
     spec, named = read_spec(tool)
-    if named is not None and tool.function is None and spec.builtin is spec.command is None:
+    if (
+        named is not None
+        and tool.function is None
+        and spec.builtin is None
+        and spec.command is None
+    ):
         kind: ExecutionKind = "function"  # a bare definition: the named pool's workers run it
     else:
         kind = execution_kind(tool, spec)

@@ -80,8 +80,8 @@ PoolFile = Annotated[
     Path | None,
     typer.Option(
         "--pool",
-        help="Pool file (TOML) to run tools on, e.g. pools/local.toml. "
-        "Default: the built-in local pool (this machine).",
+        help="Pool file (TOML) to run tools on, e.g. pools/local.toml, or a set of pools "
+        "(pools/mixed.example.toml). Default: the built-in local pool (this machine).",
         exists=True,
         file_okay=True,
         dir_okay=False,
@@ -96,10 +96,10 @@ def _registry(tools_dir: Path) -> ToolRegistry:
         _fail(str(exc), code=3)
 
 
-def _pool_registry(tools_dir: Path | None, backend: Any) -> ToolRegistry:
-    """``--tools-dir``'s tools; by default the built-in ones, or none on a pool without hosts."""
+def _pool_registry(tools_dir: Path | None, pools: Any) -> ToolRegistry:
+    """``--tools-dir``'s tools; by default the built-in ones, or none on pools without hosts."""
     if tools_dir is None:
-        if not backend.hosts:  # a Ray pool: its own tools join the registry in the Dispatcher
+        if not pools.has_hosts():  # Ray pools: their own tools join the registry in the Dispatcher
             return ToolRegistry()
         tools_dir = DEFAULT_TOOLS_DIR
     return _registry(tools_dir)
@@ -243,7 +243,7 @@ def serve_command(
     """
     from agent_backend.daemon import DaemonServer, DaemonSettings
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool import load_pool
+    from agent_backend.pool import load_pools
     from agent_backend.tokens import is_loopback, load_token
 
     _logging(log_level)
@@ -256,10 +256,10 @@ def serve_command(
             grace=grace,
             max_concurrent_per_token=max_concurrent,
         )
-        backend = load_pool(_pool_source(pool))
+        pools = load_pools(_pool_source(pool))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
-    registry = _pool_registry(tools_dir, backend)
+    registry = _pool_registry(tools_dir, pools)
     explicit = token.origin == "env" or token_file is not None
     if not is_loopback(host) and not explicit:
         _fail(
@@ -269,13 +269,13 @@ def serve_command(
         )
 
     async def main() -> None:
-        async with backend, Dispatcher(registry, backend) as dispatcher:
+        async with pools, Dispatcher(registry, **pools.dispatcher_options()) as dispatcher:
             server = DaemonServer(
                 dispatcher, settings, token_explicit=explicit, log_level=log_level
             )
             async with anyio.create_task_group() as group:
                 url = await group.start(server.serve)
-                typer.echo(_banner(url, token, registry, backend.kind, grace))
+                typer.echo(_banner(url, token, registry, pools.describe(), grace))
 
     try:
         anyio.run(main)
@@ -292,18 +292,19 @@ def mcp_command(
     """Serve the tools over MCP on stdin/stdout (for an MCP client to launch; see docs/mcp.md)."""
     from agent_backend.dispatch import Dispatcher
     from agent_backend.mcp import serve_stdio
-    from agent_backend.pool import load_pool
+    from agent_backend.pool import load_pools
 
     _logging(log_level)
     try:
-        backend = load_pool(_pool_source(pool))
+        pools = load_pools(_pool_source(pool))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
-    registry = _pool_registry(tools_dir, backend)
+    registry = _pool_registry(tools_dir, pools)
 
     async def main() -> None:
         # The stdio connection's session lives as long as the process: never reaped.
-        async with backend, Dispatcher(registry, backend, session_ttl=None) as dispatcher:
+        options = pools.dispatcher_options()
+        async with pools, Dispatcher(registry, **options, session_ttl=None) as dispatcher:
             await serve_stdio(dispatcher)
 
     try:
@@ -342,15 +343,15 @@ def call_command(
     would get.
     """
     from agent_backend.dispatch import Dispatcher, ToolResult
-    from agent_backend.pool import load_pool
+    from agent_backend.pool import load_pools
 
     text = sys.stdin.read() if arguments == "-" else arguments
     call = ToolCall("cli", name, text, "openai")
 
     async def local() -> ToolResult:
-        backend = load_pool(_pool_source(pool))
-        registry = _pool_registry(tools_dir, backend)
-        async with backend, Dispatcher(registry, backend) as d:
+        pools = load_pools(_pool_source(pool))
+        registry = _pool_registry(tools_dir, pools)
+        async with pools, Dispatcher(registry, **pools.dispatcher_options()) as d:
             return await d.call(call, timeout=timeout)
 
     async def remote() -> ToolResult:

@@ -23,7 +23,7 @@ import anyio
 from agent_backend.daemon.server import DaemonServer
 from agent_backend.daemon.settings import DaemonSettings
 from agent_backend.dispatch import Dispatcher
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool import DEFAULT_POOL, load_pools
 from agent_backend.tools import ToolRegistry
 
 __all__ = ["BackgroundDaemon", "run_in_thread"]
@@ -51,13 +51,16 @@ def run_in_thread(
     pool: Any = DEFAULT_POOL,
     **dispatcher_options: Any,
 ) -> Iterator[BackgroundDaemon]:
-    """Serve ``registry`` on ``pool`` (a pool file or config) from a background thread."""
+    """Serve ``registry`` on ``pool`` (a pool file, a pool-set file, or a config) from a thread."""
     ready = threading.Event()
     holder: dict[str, Any] = {}
 
     async def main() -> None:
-        backend = load_pool(pool)
-        async with backend, Dispatcher(registry, backend, **dispatcher_options) as dispatcher:
+        pools = load_pools(pool)
+        async with (
+            pools,
+            Dispatcher(registry, **pools.dispatcher_options(), **dispatcher_options) as dispatcher,
+        ):
             server = DaemonServer(dispatcher, settings, handle_signals=False)
             holder["server"] = server
             async with anyio.create_task_group() as group:

@@ -128,7 +128,8 @@ def rollout_command(
         Path | None,
         typer.Option(
             "--pool",
-            help="Pool file (TOML) the tools run on, e.g. pools/local.toml. Default: this machine.",
+            help="Pool file (TOML) the tools run on, e.g. pools/local.toml, or a set of pools "
+            "(pools/mixed.example.toml). Default: this machine.",
             exists=True,
             dir_okay=False,
         ),
@@ -202,7 +203,7 @@ def rollout_command(
     interrupted.
     """
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool import DEFAULT_POOL, load_pool_config, pool_from_config
+    from agent_backend.pool import DEFAULT_POOL, PoolSetConfig, load_pools, load_pools_config
     from agent_backend.rollout.episode import EpisodeConfig, RewardFunction, ToolReward
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool
@@ -220,10 +221,15 @@ def rollout_command(
     try:
         rows = load_prompts(prompts)
         registry = ToolRegistry.from_dir(tools_dir)
-        pool_config = load_pool_config(pool) if pool is not None else DEFAULT_POOL
-        # A Ray pool file scales out: rollout workers as Ray actors, tools on their nodes.
-        on_ray = pool_config.type == "ray"
-        backend = None if on_ray else pool_from_config(pool_config)
+        pools_config = (
+            load_pools_config(pool)
+            if pool is not None
+            else PoolSetConfig({"default": DEFAULT_POOL}, "default")
+        )
+        pool_config = pools_config.pools[pools_config.default]
+        # One Ray pool scales out: rollout workers as Ray actors, tools on their nodes.
+        on_ray = len(pools_config.pools) == 1 and pool_config.type == "ray"
+        backend = None if on_ray else load_pools(pools_config)
         reward_function: RewardFunction | None = None
         if reward_command:
             reward_function = ToolReward(("exec", {"command": reward_command}))
@@ -313,7 +319,7 @@ def rollout_command(
             return
         async with (
             backend,
-            Dispatcher(registry, backend) as dispatcher,
+            Dispatcher(registry, **backend.dispatcher_options()) as dispatcher,
             open_policy(policy_options) as client,
         ):
             await drive(

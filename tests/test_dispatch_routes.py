@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+from daemon_fixtures import TOKEN
+from policy_server import PolicyServer, Reply, Turn, leftover_workspaces, policy_server_fixture
+from ray_fixtures import RayCluster, pool_config, ray_cluster
+from ssh_helpers import backend_for
+from sshd import SSHServer
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.backends.ssh import SSHHostConfig, SSHPoolConfig
+from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.dispatch import (
     DEFAULT_POOL_NAME,
     Dispatcher,
@@ -26,10 +34,13 @@ from agent_backend.dispatch import (
     builtin_tools,
     route,
 )
-from agent_backend.errors import BackendUnavailable, ConfigError
+from agent_backend.errors import BackendError, BackendUnavailable, ConfigError
+from agent_backend.pool import PoolSetConfig
 from agent_backend.tools import Tool, ToolRegistry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+policy_server = policy_server_fixture
+__all__ = ["ray_cluster"]  # a fixture, used by name
 
 CMD = PoolShape("cmd", "ssh", has_hosts=True)
 LOCAL = PoolShape("local", "local", has_hosts=True)
@@ -250,3 +261,157 @@ def test_pools_are_given_one_way() -> None:
         Dispatcher(registry)
     with pytest.raises(ValueError, match="default pool 'x'"):
         Dispatcher(registry, pools={"a": LocalBackend(LocalPoolConfig())}, default="x")
+
+
+# -- the mixed case: shell tools on a real sshd, a reward tool on a real local Ray ----------
+
+
+def mixed_registry() -> ToolRegistry:
+    """The built-ins (to the SSH pool) and ``echo``, declared here and run by the Ray actors."""
+    registry = ToolRegistry(builtin_tools())
+
+    @registry.tool(pool="gpu")
+    def echo(text: str) -> str:
+        """Return the text.
+
+        Args:
+            text: What to return.
+        """
+        raise AssertionError("routed to the Ray actors: never runs in this process")
+
+    return registry
+
+
+def ray_config() -> Any:
+    return pool_config("ray_tools:echo", "ray_tools:whoami", name="routes")
+
+
+def ssh_config(sshd: SSHServer, root: Path) -> Any:
+    host = SSHHostConfig(**sshd.client_options(workspace_root=str(root)))
+    return SSHPoolConfig(hosts=(host,), close_timeout=5.0)
+
+
+async def test_one_session_spans_an_ssh_pool_and_a_ray_pool_and_each_can_go_down_alone(
+    sshd: SSHServer, ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    from agent_backend.backends.ray import RayBackend
+
+    root = tmp_path / "ssh-ws"
+    async with (
+        backend_for(sshd, workspace_root=str(root), connect_retries=0) as ssh,
+        RayBackend.from_config(ray_config()) as ray,
+        Dispatcher(mixed_registry(), pools={"cmd": ssh, "gpu": ray}, default="cmd") as dispatcher,
+    ):
+        host = ssh.hosts[0]
+        async with dispatcher.session() as session:
+            echoed = await session.call(("echo", {"text": "from ray"}))
+            assert echoed.ok, echoed
+            assert echoed.output == "from ray"
+            assert echoed.host is not None
+            assert echoed.host.startswith("routes-")
+            assert (await session.call(("whoami", {}))).ok  # a hosted tool the registry lacked
+            assert host.workspaces() == frozenset()  # Ray calls only: no SSH workspace
+            where = await session.call(("exec", {"command": "pwd"}))
+            assert where.ok, where
+            assert where.host == host.name
+            assert where.output.strip() == session.workspace
+            assert len(host.workspaces()) == 1
+        assert host.workspaces() == frozenset()
+        assert leftover_workspaces(root) == []
+
+        # A Ray pool that is down (here: never started) fails naming it; SSH keeps serving.
+        unstarted = {"cmd": ssh, "gpu": RayBackend.from_config(ray_config())}
+        async with Dispatcher(mixed_registry(), pools=unstarted) as other, other.session() as s:
+            with pytest.raises(BackendUnavailable, match="pool 'gpu'") as not_started:
+                await s.call(("echo", {"text": "x"}))
+            assert not_started.value.pool == "gpu"
+            assert (await s.call(("exec", {"command": "echo up"}))).output == "up\n"
+
+        # Every host of pool cmd unreachable: its calls fail naming it; Ray keeps serving.
+        async with dispatcher.session() as session:
+            assert (await session.call(("exec", {"command": "true"}))).ok
+            sshd.kill()
+            with pytest.raises(BackendError) as down:
+                await session.call(("exec", {"command": "true"}))
+            assert down.value.pool == "cmd"
+            assert (await session.call(("echo", {"text": "still"}))).output == "still"
+
+
+async def test_an_episode_through_the_daemon_on_ssh_and_ray(
+    sshd: SSHServer, ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    root = tmp_path / "ssh-ws"
+    pools = PoolSetConfig({"cmd": ssh_config(sshd, root), "gpu": ray_config()}, "cmd")
+    settings = DaemonSettings(tokens=(TOKEN,), port=0, grace=2.0)
+    with run_in_thread(mixed_registry(), settings, pool=pools) as daemon:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(base_url=daemon.url, headers=headers, timeout=30) as http:
+            names = {t["function"]["name"] for t in (await http.get("/v1/tools")).json()["tools"]}
+            assert {"exec", "echo", "whoami"} <= names
+            opened = await http.post("/v1/sessions")
+            assert opened.status_code == 201, opened.text
+            sid = opened.json()["id"]
+            calls = [
+                {"name": "echo", "arguments": {"text": "reward 1.0"}},
+                {"name": "write_file", "arguments": {"path": "a.txt", "content": "on ssh"}},
+            ]
+            batch = await http.post("/v1/batch", json={"calls": calls, "session": sid})
+            assert [r["ok"] for r in batch.json()["results"]] == [True, True], batch.text
+            read = await http.post(
+                "/v1/call",
+                json={"name": "exec", "arguments": {"command": "cat a.txt"}, "session": sid},
+            )
+            assert read.json()["output"] == "on ssh", read.text
+            assert len(leftover_workspaces(root)) == 1
+            assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
+        assert leftover_workspaces(root) == []
+
+
+def ssh_then_ray(turn: Turn) -> Reply:
+    """One shell call (SSH) and one reward-side call (Ray), then an answer quoting both."""
+    if turn.index == 0:
+        task = turn.messages[0]["content"]
+        return Reply(
+            "",
+            tool_calls=[("exec", {"command": f"echo '{task}'"}), ("echo", {"text": "scored"})],
+        )
+    return Reply("done: " + " | ".join(result.strip() for result in turn.last_tool_results()))
+
+
+async def test_a_rollout_whose_episodes_use_ssh_and_ray(
+    sshd: SSHServer, ray_cluster: RayCluster, policy_server: PolicyServer, tmp_path: Path
+) -> None:
+    from agent_backend.backends.ray import RayBackend
+    from agent_backend.rollout.episode import EpisodeConfig
+    from agent_backend.rollout.ledger import ResumeLedger
+    from agent_backend.rollout.policy import OpenAICompatiblePolicy
+    from agent_backend.rollout.pool import RolloutPool
+    from agent_backend.rollout.writers import JsonlWriter, read_trajectories
+
+    model = policy_server.add("routes-mixed", ssh_then_ray)
+    root = tmp_path / "ssh-ws"
+    rows = [{"prompt": f"task {i}", "answer": i} for i in range(3)]
+
+    def reward(episode: Any) -> float:
+        expected = f"done: task {episode.prompt['answer']} | scored"
+        return 1.0 if episode.final_text == expected else 0.0
+
+    ledger = ResumeLedger.open(tmp_path / "ledger.json", num_prompts=len(rows))
+    async with (
+        backend_for(sshd, workspace_root=str(root)) as ssh,
+        RayBackend.from_config(ray_config()) as ray,
+        Dispatcher(mixed_registry(), pools={"cmd": ssh, "gpu": ray}, default="cmd") as dispatcher,
+        OpenAICompatiblePolicy(policy_server.url, model=model, backoff=0.01) as policy,
+    ):
+        rollouts = RolloutPool(
+            policy, dispatcher, reward=reward, n=2, concurrency=4, episode=EpisodeConfig(timeout=60)
+        )
+        with JsonlWriter.open(tmp_path / "out.jsonl") as writer:
+            stats = await rollouts.run(rows, ledger=ledger, writer=writer)
+        assert dispatcher.statistics().sessions_open == 0
+        assert ssh.hosts[0].workspaces() == frozenset()
+    assert leftover_workspaces(root) == []
+    records = list(read_trajectories(tmp_path / "out.jsonl"))
+    assert len(records) == 6
+    assert all(t.reward == 1.0 for t in records), [(t.final_text, t.error) for t in records]
+    assert stats.tool_calls == 12

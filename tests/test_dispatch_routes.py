@@ -415,3 +415,23 @@ async def test_a_rollout_whose_episodes_use_ssh_and_ray(
     assert len(records) == 6
     assert all(t.reward == 1.0 for t in records), [(t.final_text, t.error) for t in records]
     assert stats.tool_calls == 12
+
+
+def test_the_block_schema_file_is_in_sync_and_takes_the_pool_key() -> None:
+    """schemas/x-agent-backend.schema.json is execution_block_schema() (rewrite it from that)."""
+    import json
+
+    import jsonschema
+
+    from agent_backend.dispatch.routes import execution_block_schema
+
+    path = Path(__file__).resolve().parents[1] / "schemas" / "x-agent-backend.schema.json"
+    schema = execution_block_schema()
+    assert path.read_text() == json.dumps(schema, indent=2) + "\n"
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"command": ["grep", "-r"], "pool": "cmd", "timeout": 5})
+    assert validator.is_valid({"pool": "gpu"})
+    assert not validator.is_valid({"pool": ""})
+    assert not validator.is_valid({"pool": "gpu", "bogus": 1})
+    for tool in builtin_tools():
+        assert validator.is_valid(dict(tool.meta["x-agent-backend"])), tool.name

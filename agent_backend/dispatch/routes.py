@@ -43,7 +43,15 @@ from agent_backend.dispatch.spec import (
 from agent_backend.errors import ConfigError, clip
 from agent_backend.tools import Tool
 
-__all__ = ["DEFAULT_POOL_NAME", "POOL_KEY", "PoolShape", "Route", "read_spec", "route"]
+__all__ = [
+    "DEFAULT_POOL_NAME",
+    "POOL_KEY",
+    "PoolShape",
+    "Route",
+    "execution_block_schema",
+    "read_spec",
+    "route",
+]
 
 #: The name of the one pool of ``Dispatcher(registry, backend)``.
 DEFAULT_POOL_NAME = "default"
@@ -103,6 +111,24 @@ def read_spec(tool: Tool) -> tuple[ExecutionSpec, str | None]:
     except pydantic.ValidationError as exc:
         raise config_error(exc, file=where, prefix=META_KEY) from None
     return spec, pool
+
+
+def execution_block_schema() -> dict[str, Any]:
+    """The JSON Schema of a tool file's ``x-agent-backend`` block: how (the spec) and where
+    (``pool``) the tool runs. ``schemas/x-agent-backend.schema.json`` is this, kept in sync."""
+    schema = ExecutionSpec.model_json_schema()
+    schema["properties"][POOL_KEY] = {
+        "anyOf": [{"type": "string", "minLength": 1}, {"type": "null"}],
+        "default": None,
+        "description": "The name of the dispatcher's pool that runs this tool "
+        "(Dispatcher(pools=...)); absent: routed by execution kind (docs/dispatch.md, Routes).",
+        "title": "Pool",
+    }
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        **schema,
+        "title": META_KEY,
+    }
 
 
 def route(

@@ -253,3 +253,30 @@ def test_the_tool_directory_loads_the_four_builtins() -> None:
         assert tool.description
         for name, prop in tool.parameters["properties"].items():
             assert prop.get("description"), (tool.name, name)
+
+
+def test_the_cli_takes_a_set_of_pools(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from agent_backend.cli import app
+
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    (tools / "where.json").write_text(
+        '{"name": "where", "x-agent-backend": {"command": ["pwd"], "pool": "side"}}'
+    )
+    side = tmp_path / "side"
+    path = write(
+        tmp_path,
+        f'default = "main"\n[pools.main]\ntype = "local"\n'
+        f'[pools.side]\ntype = "local"\ndefault_cwd = "{tmp_path}"\nworkspace_root = "{side}"\n',
+    )
+    runner = CliRunner()
+    routed = runner.invoke(
+        app, ["call", "where", "{}", "--pool", str(path), "--tools-dir", str(tools)]
+    )
+    assert routed.exit_code == 0, routed.output
+    assert routed.stdout.strip() == str(tmp_path.resolve())  # sessionless: the side pool's cwd
+    bad = runner.invoke(app, ["call", "where", "{}", "--pool", str(write(tmp_path, "pools = 1\n"))])
+    assert bad.exit_code == 3
+    assert "pools: expected one [pools.NAME] table per pool" in bad.stderr

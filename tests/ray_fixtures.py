@@ -57,6 +57,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> RayCluster:
     each module its own fixture definition; the cluster must still be one.
     """
     ray = require_ray()
+    if _started and not ray.is_initialized():
+        # Shut down for a module that must run without Ray (test_integration_skyrl): start again.
+        _started.clear()
     if not _started:
         from agent_backend.backends.ray.runtime import loopback_only
 

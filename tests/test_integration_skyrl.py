@@ -27,7 +27,7 @@ import os
 import re
 import types
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,25 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 REWARD = ToolReward(("exec", {"command": "grep -q 42 a.txt"}))  # runs in the episode's workspace
 EPISODE = EpisodeConfig(max_turns=3, timeout=6.0, tool_timeout=1.0, max_tool_failures=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def without_ray() -> Iterator[None]:
+    """skyrl's trainer code syncs its registries to a Ray actor whenever Ray is initialized.
+
+    The session's test cluster (tests/ray_fixtures.py, started by whichever module needs it
+    first) would make it do so here, and that actor's import of ``skyrl.tinker.types`` fails on
+    Python 3.11 (a ``typing.TypedDict`` pydantic refuses before 3.12). These tests run skyrl's
+    trainer without Ray, as on a single CPU box; the next module that needs Ray starts it again.
+    """
+    try:
+        import ray
+    except ImportError:
+        yield
+        return
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-__all__ = ["TCPProxy"]
+__all__ = ["TCPProxy", "reset_on_close"]
 
 HOST = "127.0.0.1"
 
 
-def _reset_on_close(stream: anyio.abc.SocketStream) -> None:
+def reset_on_close(stream: anyio.abc.SocketStream) -> None:
     """SO_LINGER 0: closing sends RST instead of FIN."""
     with contextlib.suppress(OSError):
         sock = stream.extra(SocketAttribute.raw_socket)
@@ -83,20 +83,20 @@ class TCPProxy:
         pairs, self._pairs = list(self._pairs), set()
         for client, upstream in pairs:
             for stream in (client, upstream):
-                _reset_on_close(stream)
+                reset_on_close(stream)
                 with contextlib.suppress(Exception):
                     await stream.aclose()
 
     async def _handle(self, client: anyio.abc.SocketStream) -> None:
         self.accepted += 1
         if self.refuse:
-            _reset_on_close(client)
+            reset_on_close(client)
             await client.aclose()
             return
         try:
             upstream = await anyio.connect_tcp(HOST, self.target_port)
         except OSError:
-            _reset_on_close(client)
+            reset_on_close(client)
             await client.aclose()
             return
         pair = (client, upstream)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
-import struct
 import time
 import uuid
 from collections.abc import Callable
@@ -23,7 +21,7 @@ import anyio.abc
 import pytest
 from anyio.abc import SocketAttribute
 from daemon_fixtures import TALLY, Daemon, daemon_fixture  # noqa: F401
-from tcp_proxy import TCPProxy
+from tcp_proxy import TCPProxy, reset_on_close
 
 from agent_backend.client import Client
 from agent_backend.errors import BackendUnavailable, PoolClosed
@@ -33,13 +31,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 HOST = "127.0.0.1"
 _KEY = re.compile(rb"(?im)^idempotency-key: *(\S+)\r$")
 _REQUEST_LINE = re.compile(rb"(GET|POST|DELETE|PUT|HEAD) (/\S*) HTTP/1\.1\r\n")
-
-
-def _reset(stream: anyio.abc.SocketStream) -> None:
-    """SO_LINGER 0: closing sends RST instead of FIN."""
-    with contextlib.suppress(OSError):
-        sock = stream.extra(SocketAttribute.raw_socket)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
 class LosingProxy:
@@ -91,7 +82,7 @@ class LosingProxy:
         try:
             upstream = await anyio.connect_tcp(HOST, self.target_port)
         except OSError:
-            _reset(client)
+            reset_on_close(client)
             await client.aclose()
             return
         async with client, upstream, anyio.create_task_group() as pipes:
@@ -121,7 +112,7 @@ class LosingProxy:
             async for chunk in upstream:
                 if self.lose > 0:
                     self.lose -= 1
-                    _reset(client)
+                    reset_on_close(client)
                     break
                 await client.send(chunk)
         scope.cancel()

@@ -248,11 +248,16 @@ async def open_channel(
 
 
 async def run_maintenance(
-    connection: SSHConnection, line: str, *, host: str, open_timeout: float, within: float
+    connection: SSHConnection,
+    line: str,
+    *,
+    host: str,
+    open_timeout: float,
+    timeout: float,  # noqa: ASYNC109 - a bound that yields None, not TimeoutError as fail_after would
 ) -> _CommandChannel | None:
     """A short maintenance command outside the lease table; None if it failed."""
     try:
-        with anyio.move_on_after(within):
+        with anyio.move_on_after(timeout):
             _, protocol = await open_channel(
                 connection, line, (4096, 4096), host=host, open_timeout=open_timeout
             )

@@ -212,7 +212,7 @@ class SSHHost(Host):
                 remote.command_line, command, base_env=config.env, shell=config.shell
             ),
             stdin=command.stdin,
-            time_limit=command.timeout,
+            timeout=command.timeout,
             stdout_limit=command.output_limit,
             stderr_limit=command.output_limit,
         )
@@ -222,7 +222,7 @@ class SSHHost(Host):
         line_for: Callable[[str], str],
         *,
         stdin: bytes | None,
-        time_limit: float,
+        timeout: float,  # noqa: ASYNC109 - the command's limit: its remote processes are killed at it
         stdout_limit: int,
         stderr_limit: int,
     ) -> CommandResult:
@@ -238,7 +238,7 @@ class SSHHost(Host):
                 token,
                 stdin=stdin,
                 started=started,
-                deadline=started + time_limit,
+                deadline=started + timeout,
                 limits=(stdout_limit, stderr_limit),
             )
         finally:
@@ -309,14 +309,17 @@ class SSHHost(Host):
         self._kills.schedule_orphan_cleanup()
 
     async def _maintenance(
-        self, connection: SSHConnection, line: str, within: float
+        self,
+        connection: SSHConnection,
+        line: str,
+        timeout: float,  # noqa: ASYNC109 - passed on to run_maintenance
     ) -> _CommandChannel | None:
         return await run_maintenance(
             connection,
             line,
             host=self.name,
             open_timeout=self.config.connect_timeout,
-            within=within,
+            timeout=timeout,
         )
 
     async def _drive(
@@ -400,7 +403,7 @@ class SSHHost(Host):
         result = await self._execute(
             line_for,
             stdin=script.stdin,
-            time_limit=timeout,
+            timeout=timeout,
             stdout_limit=script.limit,
             stderr_limit=4096,
         )

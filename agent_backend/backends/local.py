@@ -39,8 +39,8 @@ from typing import ClassVar, Literal
 
 import anyio
 import anyio.to_thread
-import pydantic
 
+from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
 from agent_backend.backends.local_process import ChildProcess, spawn
 from agent_backend.backends.local_workspaces import WorkspaceKeeper
@@ -54,7 +54,6 @@ from agent_backend.dispatch.backend import (
     Output,
 )
 from agent_backend.dispatch.output import OutputBuffer
-from agent_backend.dispatch.spec import EnvName, config_path
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
@@ -68,51 +67,6 @@ _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EA
 _DRAIN_SECONDS = 1.0
 # How long a leader's exit status may take to be collected once its group is gone.
 _REAP_SECONDS = 5.0
-
-
-class LocalPoolConfig(pydantic.BaseModel):
-    """A pool that runs every call on this machine (``type = "local"``)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    type: Literal["local"] = "local"
-    """Selects the local backend."""
-    workspace_root: str | None = None
-    """Directory in which session workspaces (and the scratch directory) are created, made if
-    missing. Relative paths are relative to the pool file. None: the system temporary directory."""
-    default_cwd: str | None = None
-    """Working directory of commands run outside a session (it must exist). None: a private
-    scratch directory made at start and removed at close, shared by all sessionless calls."""
-    max_concurrent_calls: int = pydantic.Field(default=32, ge=1, le=4096)
-    """Commands running at once; more wait for a slot, and the wait counts against their timeout."""
-    env_passthrough: tuple[EnvName, ...] = (
-        "PATH",
-        "HOME",
-        "USER",
-        "LOGNAME",
-        "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
-        "TZ",
-        "TMPDIR",
-        "TERM",
-    )
-    """Variables copied from this process's environment into every command's, when set.
-    Nothing else is inherited (no API keys leak into tool commands by default)."""
-    extra_env: dict[EnvName, str] = pydantic.Field(default_factory=dict)
-    """Variables set for every command, over the passed-through ones (a call's own env wins)."""
-    shell: str = "/bin/sh"
-    """The shell that runs command lines (``shell -c LINE``)."""
-    kill_grace: float = pydantic.Field(default=2.0, gt=0, le=60)
-    """Seconds between SIGTERM and SIGKILL when a call's process group is ended."""
-    spare_workspaces: int = pydantic.Field(default=64, ge=0, le=4096)
-    """Empty workspaces kept made ahead, as many as were ever in use at once but at most this
-    many, so that opening a session costs no disk operation. 0: each is made when asked for."""
-
-    @pydantic.field_validator("workspace_root", "default_cwd")
-    @classmethod
-    def _resolve_path(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
-        return None if value is None else config_path(value, info)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

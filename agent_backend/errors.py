@@ -94,8 +94,8 @@ __all__ = [
     "WorkerLost",
 ]
 
-#: Upper bound on any message handed to a model (PITFALLS 7: feedback that
-#: repeats the whole input per nested error explodes the context).
+#: Upper bound on any message handed to a model (feedback that repeats the
+#: whole input per nested error explodes the context).
 MODEL_MESSAGE_LIMIT = 2048
 
 

@@ -118,7 +118,7 @@ def _encode(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)  # never NaN in JSON (PITFALLS 21)
+        return value if math.isfinite(value) else repr(value)  # NaN is not JSON: servers answer 500
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):

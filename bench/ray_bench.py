@@ -10,7 +10,7 @@ clock, then checksums what it got):
 
 * **by reference**: the driver passes the ``PayloadRef`` it got back;
 * **through the driver**: the driver fetches the array (``PayloadRef.get``)
-  and passes the array on, as peers do (PITFALLS 18).
+  and passes the array on, as peers do.
 
 Reported per size: hand-off times and speedup, the driver's peak RSS growth
 (``VmHWM`` after a reset through ``/proc/self/clear_refs``), the producer's

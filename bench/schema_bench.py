@@ -8,7 +8,7 @@ pydantic-generated schema with ``$defs``, interleaved in one run:
 * ``prepare_arguments`` on already-valid arguments (a dict, and its JSON text);
 * ``prepare_arguments`` on the same arguments corrupted the way models do;
 * ``jsonschema.Draft202012Validator(schema).is_valid`` (compiled once);
-* one-shot ``jsonschema.validate`` (what peers call per call, PITFALLS 8).
+* one-shot ``jsonschema.validate`` (what peers call per call).
 
 ``prepare_arguments`` copies dict arguments with the C accelerator when it is
 built (``agent_backend.schema.plain.ACCELERATED``); a second pass over the BFCL

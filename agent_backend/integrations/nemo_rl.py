@@ -31,7 +31,7 @@ train on, or whose episode failed for a reason that is not the policy's),
 ``reward/<name>`` column per named reward component (what NeMo RL's GDPO
 reads). Rows come from :func:`~agent_backend.rollout.episode_rows`: exactly
 one per expected episode, a one-token placeholder for a failed or missing
-one (PITFALLS 24).
+one (a surprise row count or an empty row breaks a trainer's batch).
 
 Tensors are torch tensors (``int64`` token ids, ``float32`` logprobs and
 rewards, ``bool`` flags) when torch is installed, as NeMo RL builds them, else

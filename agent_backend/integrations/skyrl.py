@@ -16,7 +16,8 @@ any pool, reward from agent_backend, one session per episode);
 input prompt: an episode that failed before its first turn, or has no record
 (a group whose every episode failed, a rollout dropped for non-finite
 logprobs), becomes a one-token row under mask 0, never a lost or extra row
-(PITFALLS 24). In step-wise mode (SkyRL's ``step_wise_trajectories``) an
+(a surprise row count breaks the trainer's batch). In step-wise mode (SkyRL's
+``step_wise_trajectories``) an
 episode whose chat template rewrote history has one row per segment, in
 order, ``is_last_step`` on its last, the episode's reward there.
 
@@ -25,7 +26,8 @@ run token-in/token-out (:class:`~agent_backend.rollout.TokenPolicy`) over a
 :class:`SkyRLTokenSampler`, which calls
 ``client.generate(InferenceEngineInput(prompt_token_ids=...))``: the engines
 SkyRL syncs weights into after each step, so sampling stays on-policy
-(PITFALLS 26). Any :class:`~agent_backend.rollout.Policy` can be given instead.
+(with no new weights pushed to it, a policy server samples off-policy).
+Any :class:`~agent_backend.rollout.Policy` can be given instead.
 
 SkyRL requires Python 3.12; on 3.11 one of its modules (``skyrl.tinker.types``)
 puts a ``typing.TypedDict`` in a pydantic model, which pydantic refuses before
@@ -115,7 +117,7 @@ class SkyRLTokenSampler:
     ``max_tokens`` lowered to the turn's budget, and ``logprobs`` asked for
     (SkyRL's default 1: the sampled token's logprob) when they say ``None``: a
     trainer needs them, and their absence raises :class:`PolicyError`, never
-    a zeroed mask (PITFALLS 22). The client's failures become ``PolicyError``
+    a zeroed mask that stops training making progress. The client's failures become ``PolicyError``
     (the episode records ``rollout_error``).
     """
 

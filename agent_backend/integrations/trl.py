@@ -16,7 +16,8 @@ at a time. :func:`~agent_backend.rollout.episode_rows` turns whatever came back
 into one row per entry: an episode that failed before its first turn, or
 has no record (a group the pool withheld because every episode failed, or
 dropped for non-finite logprobs), becomes a one-token placeholder under mask 0
-(PITFALLS 24). :func:`trl_reward` hands TRL the episode rewards back.
+(TRL raises on an extra row, a missing one or a row with no tokens).
+:func:`trl_reward` hands TRL the episode rewards back.
 
 This module never imports TRL (TRL calls it), and never returns a count other
 than ``len(prompts)`` nor a row without tokens.

@@ -130,7 +130,7 @@ class VerlTokenSampler:
 
     Every request asks for logprobs (an answer without them, or with a
     different count, is a :class:`~agent_backend.errors.PolicyError`: never a
-    silently zeroed mask, PITFALLS 22) and for at most what is left of
+    silently zeroed mask that stops training making progress) and for at most what is left of
     ``response_length`` after the tokens since the first prompt, so the row
     fits verl's padded width; when nothing is left, the turn is an empty
     ``length`` completion and the server is not asked. An aborted request, or

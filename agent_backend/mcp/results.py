@@ -9,7 +9,8 @@ command's output, and for a failure ``Error: <why>`` first), exactly as
 every other door (``/v1``, the native toolsets).
 
 There is no ``structuredContent`` and no ``outputSchema``: a structured
-copy would be what some clients show *instead of* the text (PITFALLS 27),
+copy would be what some clients show *instead of* the text (pydantic-ai
+then showed the model only metadata, never what the command printed),
 and a declared ``outputSchema`` makes SDK clients validate every result
 (and fetch the tool list first when they have not seen it). The facts code
 may branch on (``ok``, ``exit_status``, ``error_type``, ``truncated``,

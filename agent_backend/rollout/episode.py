@@ -5,7 +5,8 @@ and a :class:`~agent_backend.dispatch.Dispatcher`, and runs turns until the
 policy answers without tool calls, ``max_turns``, the token budget or the
 episode's timeout. Every tool call of the episode runs in **one session**
 (its own workspace on one host), opened at the start and closed on every
-way out: normal end, failure, timeout and cancellation (PITFALLS 23). Tool
+way out: normal end, failure, timeout and cancellation (an error that skips
+cleanup leaks a sandbox per episode). Tool
 results, and the model-facing errors of bad calls, go back to the policy as
 ``tool`` messages.
 

@@ -7,7 +7,7 @@ Every prompt index is in one of four states::
        +-----release()-------+----mark_dropped()----> dropped
 
 The resume **cursor** is the first prompt that is neither trained nor
-dropped. Two peer failures shaped that rule (PITFALLS 19 and 20):
+dropped. Two peer failures shaped that rule:
 
 * a cursor saved at "the next prompt to hand out" runs ahead of training, so
   the prompts in flight at a crash were never trained and never redone (one

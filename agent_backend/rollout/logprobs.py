@@ -2,7 +2,7 @@
 
 A policy server can answer a token with a NaN or infinite logprob (or none at
 all: ``null``). Peers let one through: it became ``None`` and crashed tensor
-creation, or a NaN in JSON made a server answer HTTP 500 (PITFALLS 21). The
+creation, or a NaN in JSON made a server answer HTTP 500. The
 policy client calls :func:`check_logprobs` on every completion it receives,
 before anything else sees the numbers, and applies the configured
 :data:`NonFinitePolicy`:

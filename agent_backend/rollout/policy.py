@@ -12,7 +12,7 @@ trainer needs in every request and refuses an answer without it:
 
 * ``logprobs: true`` **and** ``top_logprobs`` (engines that get the first
   without the second answer no logprobs, and a trainer silently trained on
-  a zeroed mask: PITFALLS 22);
+  a zeroed mask and stopped making progress);
 * ``return_token_ids: true``: vLLM (since vllm-project/vllm#22587, 2025)
   answers the prompt's ids as ``prompt_token_ids`` on the response and the
   completion's as ``choices[0].token_ids``; SGLang (sgl-project/sglang#30917)
@@ -27,7 +27,8 @@ A response without logprobs or token ids, or whose logprobs do not line up
 with its completion ids, raises :class:`~agent_backend.errors.PolicyError`
 (never a silently zeroed mask). Non-finite logprobs (NaN, infinities,
 ``null``) are handled here, where they arrive, with the configured
-:data:`~agent_backend.rollout.logprobs.NonFinitePolicy` (PITFALLS 21); the
+:data:`~agent_backend.rollout.logprobs.NonFinitePolicy` (a NaN let through
+becomes ``None`` and crashes tensor creation); the
 JSON is parsed with a parser that accepts ``NaN`` literals so that they are
 seen, not mistaken for a broken response.
 
@@ -193,7 +194,9 @@ class OpenAICompatiblePolicy(PolicyServerClient):
                 first use.
         """
         if top_logprobs < 1:
-            raise ValueError("top_logprobs must be at least 1 (PITFALLS 22)")
+            raise ValueError(
+                "top_logprobs must be at least 1 (without it engines answer no logprobs)"
+            )
         super().__init__(
             chat_completions_url(url),
             model=model,

@@ -9,19 +9,21 @@ an async iterator of batches; with Ray workers, optionally batches of Ray
 ``ObjectRef`` for a trainer running in Ray actors).
 
 The bookkeeping follows the order that makes a crash harmless at any instant
-(PITFALLS 19, 20): a prompt is claimed (in flight), its group sampled, then
-delivered, and only once the consumer took it durably (the writer fsynced
-it, or the trainer asked for the next batch) is it marked trained. At
+(a resume position saved ahead of training loses the prompts in flight; one
+that waits for dropped prompts to be trained never moves): a prompt is
+claimed (in flight), its group sampled, then delivered, and only once the
+consumer took it durably (the writer fsynced it, or the trainer asked for the
+next batch) is it marked trained. At
 delivery, a group older than ``max_staleness`` policy versions is dropped:
 marked dropped in the ledger (done, never trained, never redone) and
 counted, never delivered.
 
-Failures are contained (PITFALLS 23): a failed episode is a recorded
-trajectory (its ``stop_reason`` and ``error`` say why) delivered with its
-group; it never cancels its siblings or the step. A group whose every
-episode failed for the environment or the rollout layer (``env_error``,
-``rollout_error``) carries no signal: it is sampled again up to
-``group_retries`` times, then left for a later run (its prompt stays
+Failures are contained (one failed rollout must not abort a training step):
+a failed episode is a recorded trajectory (its ``stop_reason`` and ``error``
+say why) delivered with its group; it never cancels its siblings or the
+step. A group whose every episode failed for the environment or the rollout
+layer (``env_error``, ``rollout_error``) carries no signal: it is sampled
+again up to ``group_retries`` times, then left for a later run (its prompt stays
 untrained and is redone on resume). ``max_failed_groups`` such groups in a
 row mean the infrastructure is down: the run stops with a
 :class:`~agent_backend.errors.RolloutError`, its ledger consistent. A rollout

@@ -9,7 +9,8 @@ the server's ``Retry-After`` on a 429 or 503 (capped by ``max_backoff``), else
 after exponential backoff with jitter (:func:`agent_backend.retry.retry_delay`,
 shared with the daemon's client); other 4xx are not. Each attempt is bounded by a client-side timeout. Bodies are
 parsed with the standard parser, which reads ``NaN`` literals, so that a
-non-finite logprob is seen where it arrives and handled (PITFALLS 21).
+non-finite logprob is seen where it arrives and handled (let through, it
+becomes ``None`` and crashes tensor creation in the trainer).
 
 The HTTP client is aiohttp (the project's client library). Measured side by
 side through the real vLLM CPU server (bench/rollout_vllm_bench.py), httpx

@@ -3,7 +3,7 @@
 A chat endpoint re-renders the whole conversation every turn; a template
 that differs from the sampled tokens by one newline, strips earlier
 reasoning (Qwen3) or re-renders tool calls changes the prompt ids, and the
-trajectory splits into segments (PITFALLS 25). :class:`TokenPolicy` never
+trajectory splits into segments. :class:`TokenPolicy` never
 re-renders: turn N+1's prompt is turn N's prompt + its completion + the
 tokens of the messages that came back (tool results, a user message),
 rendered **alone** by the model's :class:`~agent_backend.rollout.chat_template.ChatTemplate`.
@@ -22,7 +22,8 @@ always.
   :class:`~agent_backend.rollout.pool.RolloutPool`, which ask it for one
   stateful policy per episode (:meth:`TokenPolicy.for_episode`).
 
-Non-finite logprobs are handled where they arrive (PITFALLS 21), with the
+Non-finite logprobs are handled where they arrive (later, a NaN crashes
+tensor creation), with the
 policy's :data:`~agent_backend.rollout.logprobs.NonFinitePolicy`, as for
 chat completions. This module must never re-tokenize a token the server
 sampled, and never send a prompt that does not start with the previous one.
@@ -210,7 +211,7 @@ class VLLMTokenSampler(PolicyServerClient):
     Each request asks for the sampled token's logprob (``logprobs``) and the
     completion's ids (``return_token_ids``), with special tokens kept in the
     text; a response without them raises :class:`PolicyError` (never a
-    silently zeroed mask, PITFALLS 22). Retries as for chat completions
+    silently zeroed mask that stops training making progress). Retries as for chat completions
     (:class:`~agent_backend.rollout.server_client.PolicyServerClient`).
     """
 

@@ -17,7 +17,8 @@
 * :func:`episode_rows` gives exactly one row per expected episode, in order,
   whatever happened to it: what every trainer adapter
   (:mod:`agent_backend.integrations`) hands its trainer, which must never get
-  a surprise count or an empty row (PITFALLS 24).
+  a surprise count or an empty row (TRL raises on an extra row, a missing
+  one or a row with no tokens).
 
 This module must never import a trainer library (TRL, verl, torch): the
 shapes are plain lists and numpy arrays, which each of them takes.

@@ -22,7 +22,7 @@ The JSON Schema of the record is checked in at ``schemas/wire/rollout.json``
 This module must never do I/O (printing the schema under ``__main__`` aside)
 and must never let a NaN or infinite float into a record: they would reach
 JSON as ``null`` (or a server's HTTP 500) and crash tensor creation in a
-trainer (PITFALLS 21). Non-finite logprobs are handled where they are
+trainer. Non-finite logprobs are handled where they are
 produced, by :mod:`agent_backend.rollout.logprobs`; a record refuses them.
 """
 

@@ -31,7 +31,8 @@ JSONL file cannot say whether a group is complete. Without ``truncate_to``
 the writer only cuts a torn last line.
 
 This module must never write a NaN or infinite float (JSON would get
-``null``, PITFALLS 21): every record is checked just before it is encoded.
+``null``, which crashes tensor creation in a trainer): every record is
+checked just before it is encoded.
 """
 
 from __future__ import annotations

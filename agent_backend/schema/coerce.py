@@ -13,14 +13,14 @@ Pure: no I/O. The rules (docs/tool-calls.md has an example of each):
   is wanted: what a call written against the strict variant of a schema sends
   (``strict.py``).
 
-What already validates is kept as it is (PITFALLS 4): a container that a
-subschema accepts is not entered, a scalar whose type the schema allows is
-never converted (``"007"`` stays a string for ``["string", "integer"]``, a
-JSON-looking string stays a string for ``string | null``), and a union
-branch that already accepts the value wins over any conversion. Branches
-are tried in declared order. Input is never mutated: changed containers are
-copied on write. This module never validates the final result: the caller
-does that against the original schema.
+What already validates is kept as it is (converting it would corrupt valid
+data): a container that a subschema accepts is not entered, a scalar whose
+type the schema allows is never converted (``"007"`` stays a string for
+``["string", "integer"]``, a JSON-looking string stays a string for
+``string | null``), and a union branch that already accepts the value wins
+over any conversion. Branches are tried in declared order. Input is never
+mutated: changed containers are copied on write. This module never validates
+the final result: the caller does that against the original schema.
 
 Each schema node is compiled once, on the first repair, into one function
 ``fix(value, depth, check)`` that does only what that node asks for: a node

@@ -5,7 +5,8 @@ limits raises :class:`~agent_backend.errors.ToolArgumentError`: unparseable
 text, a non-object top level, trailing garbage or concatenated values
 (``{"a":1}{"a":1}``), NaN/Infinity, non-JSON Python values, and arguments
 over the size or depth bound. It must never substitute ``{}`` for bad input
-(PITFALLS 5, 6) and never recurse on attacker-controlled depth.
+(the tool would run with empty arguments, and the model would never learn its
+JSON was bad) and never recurse on attacker-controlled depth.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 Tool schemas written by pydantic, zod or by hand hide types behind ``$ref``;
 argument coercion that reads a property's ``type`` then sees nothing and
-corrupts the arguments (PITFALLS 1). ``resolve_schema`` returns a new schema
-that accepts exactly the same instances as the original, with every reference
-into the same document replaced by its target:
+corrupts the arguments (models then send objects as JSON strings, and every
+call fails). ``resolve_schema`` returns a new schema that accepts exactly the
+same instances as the original, with every reference into the same document
+replaced by its target:
 
 * JSON-pointer refs, anchors (``$anchor``, draft 7 ``$id: "#foo"``) and refs to
   embedded resources named by ``$id`` (``id`` in draft 4), resolved against the
@@ -17,14 +18,14 @@ into the same document replaced by its target:
   from inside itself; the outermost use is still inlined.
 * A cycle of refs that never steps into a child instance (``A -> B -> A``) can
   only make a validator loop forever: it raises ``SchemaRefError`` naming the
-  cycle (PITFALLS 2). Deep or exploding schemas raise ``SchemaError``, never
-  ``RecursionError``.
+  cycle, where resolvers and validators elsewhere hit ``RecursionError``. Deep
+  or exploding schemas raise ``SchemaError``, never ``RecursionError``.
 
 This module must never do I/O, and above all never fetch anything: a ref to
 another document, a remote URL or a meta-schema is left in place (made
 absolute, so it means the same after moving) and reported in
-``Resolution.external_refs`` (PITFALLS 3, an SSRF hole in a daemon). It never
-mutates its input and shares no mutable object with it. ``$dynamicRef`` and
+``Resolution.external_refs`` (fetching it would be an SSRF hole in a daemon).
+It never mutates its input and shares no mutable object with it. ``$dynamicRef`` and
 ``$recursiveRef`` are rejected: their targets depend on the evaluation path,
 so no static rewrite can keep their meaning.
 """

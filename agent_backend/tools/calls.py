@@ -7,9 +7,9 @@ text, and MCP ``tools/call`` params. :func:`parse_tool_calls` detects which.
 This module only *locates* calls: arguments stay raw (the JSON text or the
 mapping the model produced) for :meth:`Tool.prepare` to parse and check. It
 must never drop a call it found but could not read, and never replace
-unreadable arguments with ``{}`` (PITFALLS 5): such a call keeps its place
-with ``error`` set. Every scan is linear in the input and the number of calls
-per message is capped, so a 10 MB reply cannot cost quadratic time.
+unreadable arguments with ``{}`` (the tool would run with empty arguments):
+such a call keeps its place with ``error`` set. Every scan is linear in the
+input and the number of calls per message is capped, so a 10 MB reply cannot cost quadratic time.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ async def test_unknown_tool_and_bad_arguments_are_results(pool: LocalBackend) ->
 
 
 async def test_malformed_json_never_runs_with_empty_arguments(pool: LocalBackend) -> None:
-    # PITFALLS 5: unreadable arguments fail closed.
+    # Unreadable arguments fail closed: run with {}, the tool would do something unasked.
     dispatcher = Dispatcher(registry(), pool)
     result = await dispatcher.call(ToolCall("c1", "exec", '{"command": "echo hi"', "openai"))
     assert (result.ok, result.error_type, result.output) == (False, "ToolArgumentError", "")

@@ -1,5 +1,6 @@
 """Sessions: a private workspace pinned to one host, removed on every way out, file tools
-confined to it, idle sessions reaped only when nothing holds them (PITFALLS 9, 10, 15, 23)."""
+confined to it, idle sessions reaped only when nothing holds them (a call in progress, or any
+kind of call at all, is activity), and one failing episode never skips another's cleanup."""
 
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ async def test_cancelled_while_opening_leaks_nothing(pool: LocalBackend, root: P
 
 
 async def test_many_failing_episodes_leak_no_workspace(pool: LocalBackend, root: Path) -> None:
-    # PITFALLS 23: an error in one episode must neither abort the others nor skip cleanup.
+    # An error in one episode must neither abort the others nor skip cleanup (leaked sandboxes).
     outcomes: list[str] = []
 
     async def episode(index: int, dispatcher: Dispatcher) -> None:
@@ -326,7 +327,7 @@ async def test_an_idle_session_is_reaped_and_then_refuses_calls(
         await anyio.sleep(0.6)
         assert session.is_closed()
         assert workspaces(root) == []  # removed by the reaper
-        # PITFALLS 10: never an empty success on a reaped session.
+        # Never an empty success on a reaped session: it would look like the command printed nothing.
         with pytest.raises(PoolClosed, match=r"reaped after 0.3 s without a call"):
             await session.call(("exec", {"command": "echo hello"}))
         with pytest.raises(PoolClosed):
@@ -337,7 +338,7 @@ async def test_an_idle_session_is_reaped_and_then_refuses_calls(
 async def test_a_call_longer_than_the_ttl_is_not_reaped_underneath(
     pool: LocalBackend, root: Path
 ) -> None:
-    # PITFALLS 9 and 10: the call holds a lease, so the reaper passes it by,
+    # The call holds a lease, so the reaper passes it by (a call longer than the TTL is not cut),
     # and the idle clock starts only when the call ends.
     async with (
         Dispatcher(tools(), pool, session_ttl=0.2, reap_interval=0.02) as dispatcher,
@@ -380,7 +381,7 @@ async def test_a_session_with_a_call_in_flight_survives_every_reaper_pass(
 
 
 async def test_every_kind_of_call_counts_as_activity(pool: LocalBackend) -> None:
-    # PITFALLS 15: file tools and function tools keep a session alive, not only exec.
+    # File tools and function tools keep a session alive, not only exec (else live runs are reaped).
     async with (
         Dispatcher(tools(), pool, session_ttl=0.3, reap_interval=0.02) as dispatcher,
         dispatcher.session() as session,
@@ -419,7 +420,7 @@ async def test_concurrent_calls_in_one_session(pool: LocalBackend) -> None:
 async def test_the_loop_stays_responsive_while_sessions_open_and_close(
     pool: LocalBackend, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # PITFALLS 14: a gather of session starts on a slow disk must neither
+    # A gather of session starts on a slow disk must neither
     # freeze the loop (every file operation takes 0.3 s here: 20 episodes x 5
     # operations would take 30 s in series on the loop) nor leak.
     slow_local_disk(monkeypatch, pool.host, 0.3)

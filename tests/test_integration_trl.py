@@ -1,4 +1,4 @@
-"""TRL 1.16's real GRPOTrainer on CPU, its rollout_func an agent_backend TRLRollout (PITFALLS 24).
+"""TRL 1.16's real GRPOTrainer on CPU, its rollout_func an agent_backend TRLRollout.
 
 A tiny random Qwen2 (tests/tiny_model.py) trains for real: its episodes call ``exec`` on the
 local pool, TRL's loss mask keeps the tool tokens out, and the weights move. The fault matrix

@@ -137,7 +137,7 @@ def test_lease_from_another_table_is_foreign() -> None:
 
 
 def test_idle_clock_starts_at_end_of_last_lease() -> None:
-    """PITFALLS 10: a lease longer than the TTL is never reaped, nor right after it ends."""
+    """A lease longer than the TTL is never reaped, nor right after it ends (its sandbox would vanish)."""
     table, clock = make(ttl=10)
     a = Res("a")
     table.add(a, capacity=2)

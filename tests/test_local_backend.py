@@ -445,7 +445,7 @@ async def test_statistics_and_repr(host: LocalHost) -> None:
 async def test_the_event_loop_stays_responsive_under_many_calls(
     host: LocalHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # PITFALLS 14: nothing slow runs on the event loop thread. Every file
+    # Nothing slow runs on the event loop thread (it would freeze every other call). Every file
     # operation takes 0.3 s here: 30 workspaces in series would take 9 s.
     slow_local_disk(monkeypatch, host, 0.3)
     worst = 0.0

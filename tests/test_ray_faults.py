@@ -1,7 +1,7 @@
 """Faults on a real local Ray: killed and crashing actors, bounded restarts, errors that cross.
 
-PITFALLS 16 (unpicklable third-party exceptions, the HTTP status lost at the
-actor boundary) and 17 (a pool that keeps handing out a dead actor).
+Third-party exceptions that cannot be pickled, and the HTTP status lost at the actor boundary,
+must not kill a job or hide an infrastructure error; a pool must not keep handing out a dead actor.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ async def test_killed_actors_are_evicted_replaced_and_gone_after_aclose(
         assert victim.name in str(error)
         assert pickle.loads(pickle.dumps(error)).__dict__ == error.__dict__
 
-        # Evicted at once: the next calls never go to the dead actor (PITFALLS 17).
+        # Evicted at once: the next calls never go to the dead actor (a pool that did got stuck).
         for _ in range(4):
             assert (await backend.call("echo", {"text": "x"})).actor != victim.name
         await settle(backend, lambda: backend.statistics().actors_live == 2)

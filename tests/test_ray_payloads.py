@@ -1,4 +1,5 @@
-"""Results by reference on a real local Ray (PITFALLS 18): the driver never holds the bytes.
+"""Results by reference on a real local Ray: the driver never holds the bytes (large ones, gathered
+there and sent out again, cost twice).
 
 Who owns a payload and how long it lives: it is a return object of the
 producing call, so the driver owns it; it survives the producing actor; it

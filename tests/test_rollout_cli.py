@@ -1,6 +1,7 @@
 """``agent-backend rollout`` as a real process: against the scripted server, with real tools on
 the local pool; interrupted by Ctrl-C and killed with SIGKILL at random points, then resumed:
-every prompt ends up in the output exactly n times (PITFALLS 19, 20)."""
+every prompt ends up in the output exactly n times (none skipped by a cursor run ahead of training,
+none trained again because a dropped one pinned it)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Episodes: the scripted policy over real HTTP, tools run for real on the local backend and on
 a real sshd. Token ids and the mask line up with what was sampled; every failure becomes a
-recorded trajectory; the episode's session is closed on every way out (PITFALLS 21-23)."""
+recorded trajectory; the episode's session is closed on every way out (no leaked sandbox)."""
 
 from __future__ import annotations
 

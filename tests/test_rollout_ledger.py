@@ -1,4 +1,5 @@
-"""ResumeLedger: states, the resume cursor (PITFALLS 19/20), atomic checkpoints, and SIGKILL.
+"""ResumeLedger: states, the resume cursor (never ahead of training, never pinned by a dropped
+prompt), atomic checkpoints, and SIGKILL.
 
 The crash tests run tests/ledger_crash_worker.py's synthetic rollout + train
 loop in child processes, SIGKILL them at seeded random points, resume, and
@@ -79,7 +80,7 @@ def test_cursor_is_the_first_prompt_neither_trained_nor_dropped(tmp_path: Path) 
 
 
 def test_a_dropped_stale_group_never_pins_the_cursor(tmp_path: Path) -> None:
-    """PITFALLS 19: a dropped prompt must count as done, but never as trained."""
+    """A dropped prompt must count as done (else the cursor sticks at it), but never as trained."""
     path = tmp_path / "l.json"
     ledger = ResumeLedger.open(path, num_prompts=10)
     ledger.claim(10)
@@ -97,7 +98,7 @@ def test_a_dropped_stale_group_never_pins_the_cursor(tmp_path: Path) -> None:
 
 
 def test_in_flight_prompts_are_redone_after_a_crash(tmp_path: Path) -> None:
-    """PITFALLS 20: a cursor saved ahead of training skips the prompts in flight at the crash."""
+    """A cursor saved ahead of training would skip the prompts in flight at the crash."""
     path = tmp_path / "l.json"
     ledger = ResumeLedger.open(path, num_prompts=20)
     ledger.claim(10)

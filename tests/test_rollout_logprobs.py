@@ -1,4 +1,5 @@
-"""Non-finite logprobs: the mask / drop / fail policies, and their counters (PITFALLS 21)."""
+"""Non-finite logprobs: the mask / drop / fail policies, and their counters (a NaN let through
+crashes tensor creation in a trainer)."""
 
 from __future__ import annotations
 

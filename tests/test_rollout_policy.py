@@ -1,6 +1,6 @@
 """OpenAICompatiblePolicy against the scripted server on a real uvicorn: what it asks for,
-what it refuses (no logprobs, no token ids: PITFALLS 22), non-finite logprobs handled where
-they arrive (PITFALLS 21), retries on 5xx and connection errors, the client-side timeout."""
+what it refuses (no logprobs, no token ids: never a silently zeroed mask), non-finite logprobs
+handled where they arrive, retries on 5xx and connection errors, the client-side timeout."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """RolloutPool: GRPO groups sampled concurrently over real HTTP with real tools, delivered to a
-JSONL writer or a trainer; stale groups dropped and never trained (PITFALLS 19), resume redoes
-what was in flight (PITFALLS 20), one failed episode never aborts the others (PITFALLS 23)."""
+JSONL writer or a trainer; stale groups dropped and never trained (nor pinning the resume
+cursor), resume redoes what was in flight, one failed episode never aborts the others."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_each_rule_repairs(given: dict[str, Any], expected: dict[str, Any]) -> N
 @pytest.mark.parametrize(
     "kept",
     [
-        {"u": "007"},  # "007" stays a string where a string is allowed (PITFALLS 4)
+        {"u": "007"},  # "007" stays a string where a string is allowed
         {"nn": None},  # null stays null in a nullable union, never 0
         {"sn": '{"a": 1}'},  # a JSON-looking string stays a string for string | null
         {"sn": None},
@@ -195,7 +195,7 @@ def test_draft7_tuple_items_and_additional_items() -> None:
 
 
 def test_ref_defs_are_resolved_before_coercion() -> None:
-    """PITFALLS 1: a bare $ref property must not look typeless."""
+    """A bare $ref property must not look typeless (models would send objects as strings)."""
 
     class Point(pydantic.BaseModel):
         x: int
@@ -274,7 +274,7 @@ def test_defaults_only_when_asked() -> None:
         ("", "empty"),
         ("   ", "empty"),
         ('{"n": 1', "not valid JSON"),
-        ('{"n":1}{"n":1}', "more than one JSON value"),  # PITFALLS 6
+        ('{"n":1}{"n":1}', "more than one JSON value"),  # a stream concatenated twice
         ('{"n":1} trailing', "more than one JSON value"),
         ("[1, 2]", "must be a JSON object"),
         ('"str"', "must be a JSON object"),
@@ -355,7 +355,7 @@ def test_python_subclasses_become_plain_json() -> None:
 
 
 def test_error_message_is_bounded_and_does_not_repeat_input() -> None:
-    """PITFALLS 7: 10 KB of arguments must not become 200 KB of feedback."""
+    """10 KB of arguments must not become 200 KB of feedback."""
     schema = {
         "type": "object",
         "properties": {
@@ -395,7 +395,7 @@ def test_tool_name_in_message() -> None:
 
 
 def test_compiled_once_and_reused() -> None:
-    """A schema is compiled on first use and reused, never per call (PITFALLS 8)."""
+    """A schema is compiled on first use and reused, never per call (milliseconds each)."""
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
     from agent_backend.schema import prepare as prepare_module
 
@@ -413,7 +413,7 @@ def test_malformed_schema_fails_with_pointer() -> None:
 
 
 def test_external_ref_is_refused_without_any_network(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PITFALLS 3: never fetch a remote $ref."""
+    """Never fetch a remote $ref: in a daemon that is an SSRF hole."""
 
     def no_network(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("network used")
@@ -428,7 +428,7 @@ def test_external_ref_is_refused_without_any_network(monkeypatch: pytest.MonkeyP
 
 
 def test_ref_only_cycle_is_a_schema_error_not_recursion_error() -> None:
-    """PITFALLS 2."""
+    """A -> B -> A raises a typed error, not RecursionError."""
     schema = {
         "type": "object",
         "properties": {"a": {"$ref": "#/$defs/A"}},

@@ -188,7 +188,7 @@ def test_urn_embedded_resource_with_its_own_pointer_ref() -> None:
 
 
 def test_bare_ref_property_gets_a_concrete_type() -> None:
-    """PITFALLS 1: a property that is only a $ref must come out with its type."""
+    """A property that is only a $ref must come out with its type (else it looks typeless)."""
     schema = {
         "type": "object",
         "properties": {"config": {"$ref": "#/$defs/Config", "description": "settings"}},
@@ -278,7 +278,7 @@ TREE_INSTANCES: list[Any] = [
 
 
 def test_recursive_schema_stays_recursive() -> None:
-    """PITFALLS 2: a tree node containing nodes is legal and keeps working."""
+    """A tree node containing nodes is legal and keeps working."""
     result = resolve_schema(TREE)
     assert result.recursive_defs == ("_rec_1_Node",)
     schema = result.schema
@@ -366,7 +366,7 @@ def test_ref_into_a_definition_that_leads_back_into_itself() -> None:
     ],
 )
 def test_ref_only_cycle_raises_named_error(schema: dict[str, Any], cycle: Any) -> None:
-    """PITFALLS 2: a ref cycle with no instance step is a SchemaRefError, not RecursionError."""
+    """A ref cycle with no instance step is a SchemaRefError, not RecursionError."""
     with pytest.raises(SchemaRefError, match="cycle") as info:
         resolve_schema(schema, source="tool.json")
     assert info.value.source == "tool.json"
@@ -442,7 +442,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("no_network")
 def test_remote_refs_are_reported_not_fetched() -> None:
-    """PITFALLS 3: an external $ref is an SSRF hole in a daemon; leave it and report it."""
+    """An external $ref is an SSRF hole in a daemon; leave it and report it."""
     schema = {
         "$id": "https://tools.example.com/schemas/search.json",
         "properties": {

@@ -200,7 +200,7 @@ async def test_placement_skips_a_down_host(sshd_factory: Callable[..., SSHServer
 
 
 async def test_cut_connections_through_a_proxy(sshd: SSHServer, duration: str) -> None:
-    """Cut connections: calls fail typed, one reconnect serves every waiter (PITFALLS 12)."""
+    """Cut connections: calls fail typed, one reconnect serves every waiter (no duplicates)."""
     async with TCPProxy(sshd.port) as proxy:
         config = SSHHostConfig(**sshd.client_options(port=proxy.port))
         # known_hosts names the real port; the proxy's port needs its own line.
@@ -318,8 +318,7 @@ async def test_max_sessions_exhausted_retries_and_lowers_capacity(
     sshd_factory: Callable[..., SSHServer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """sshd MaxSessions 2, pool misconfigured to 4 channels: refusals are retried, capacity learned
-    for a while (sshd also refuses transiently, when it has not yet freed closed sessions).
-    PITFALLS 13."""
+    for a while (sshd also refuses transiently, when it has not yet freed closed sessions)."""
     monkeypatch.setattr(ssh_pool, "CAPACITY_COOLDOWN", 5.0)
     server = sshd_factory(max_sessions=2)
     async with backend_for(

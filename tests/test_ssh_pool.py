@@ -235,7 +235,7 @@ async def test_routing_least_loaded_over_two_hosts(sshd_factory: Callable[..., S
 
 
 async def test_reaper_never_closes_a_leased_connection(sshd: SSHServer) -> None:
-    """PITFALLS 9, 10: calls longer than idle_ttl complete; the idle clock starts at their end."""
+    """Calls longer than idle_ttl complete (never reaped under a holder); the idle clock starts at their end."""
     async with backend_for(sshd, idle_ttl=0.2, max_connections=1) as backend:
         host = backend.hosts[0]
         seen: list[tuple[int, int, int]] = []  # (exit status, handshakes, reaped) at each end
@@ -254,7 +254,7 @@ async def test_reaper_never_closes_a_leased_connection(sshd: SSHServer) -> None:
             assert seen == [(0, 1, 0)] * 3  # one connection throughout, never reaped under them
             assert await wait_until(lambda: host.statistics().connections_reaped == 1, within=3)
             assert host.statistics().connections_open == 0
-            # PITFALLS 11: the re-created connection is the same kind, host, port and user.
+            # The re-created connection is the same kind, host, port and user (never silently local).
             again = await host.run(Command(shell='echo "$SSH_CONNECTION"; id -un', timeout=5))
         lines = again.stdout.data.splitlines()
         assert ssh_connection_of(lines[0]) == ("127.0.0.1", sshd.port)

@@ -1,19 +1,12 @@
 """The local backend: tool commands run as subprocesses of this process, on this machine.
 
-One :class:`LocalHost` per backend. Every command runs in its own process
-group (:mod:`~agent_backend.backends.local_process`, which says why a group
-and not a session) so that a timeout, a cancellation or the end of the call
-can signal everything it started: SIGTERM to the group, then
-SIGKILL after ``kill_grace`` seconds. The leader's exit is not the end of a
-call: anything left in its group (``sleep 100 &``) is ended the same way, so
-nothing a call started outlives it. stdout and stderr are read as they arrive
-into :class:`~agent_backend.dispatch.output.OutputBuffer`, so a command that
-prints a gigabyte costs ``output_limit`` bytes of memory.
-
-Commands see only the environment the config lets through
-(``env_passthrough`` and ``extra_env``), plus the command's own ``env``; they
-start in the session workspace, or in a private scratch directory outside a
-session.
+One :class:`LocalHost` per backend: it admits at most ``max_concurrent_calls``
+commands at once (more wait, and the wait counts against their timeout), makes
+and removes session workspaces, and reads, writes and lists files. Each
+command is run by :func:`~agent_backend.backends.local_command.run_in_group`,
+in its own process group that is ended on every way out, so nothing a call
+started outlives it. Commands start in the session workspace, or in a private
+scratch directory outside a session.
 
 This module must never block the event loop: file operations run in worker
 threads (workspaces in those of
@@ -30,19 +23,18 @@ import dataclasses
 import errno
 import logging
 import os
-import signal
 import stat
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 import anyio
 import anyio.to_thread
 
+from agent_backend.backends.local_command import DRAIN_SECONDS, run_in_group
 from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
-from agent_backend.backends.local_process import ChildProcess, spawn
 from agent_backend.backends.local_workspaces import WorkspaceKeeper
 from agent_backend.dispatch.backend import (
     Backend,
@@ -51,22 +43,12 @@ from agent_backend.dispatch.backend import (
     DirEntry,
     FileData,
     Host,
-    Output,
 )
-from agent_backend.dispatch.output import OutputBuffer
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
 
 logger = logging.getLogger("agent_backend.backends.local")
-
-# Spawn failures that mean this machine is out of something: infrastructure, raised.
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN})
-# After the group is ended, how long pipes still held by an escaped process
-# (one that left the group with setsid or setpgid) may keep the call from returning.
-_DRAIN_SECONDS = 1.0
-# How long a leader's exit status may take to be collected once its group is gone.
-_REAP_SECONDS = 5.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,57 +61,6 @@ class LocalStatistics:
     workspaces: int
     """Workspaces made and not yet removed."""
     closed: bool
-
-
-def _exit_of(returncode: int) -> tuple[int | None, str | None]:
-    if returncode >= 0:
-        return returncode, None
-    try:
-        return None, signal.Signals(-returncode).name
-    except ValueError:
-        return None, f"signal {-returncode}"
-
-
-def _live_member(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is not a zombie.
-
-    Orphans of a call are reparented to init, and an init that does not reap
-    (as in some containers) leaves them as zombies that still count as group
-    members for ``killpg(pgid, 0)``. A zombie has let go of its pipes and runs
-    nothing, so only live members matter. Without ``/proc``, assume alive.
-    """
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return True
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as file:
-                raw = file.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    """Send ``signum`` to the group; False when the group has no member left."""
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-async def _group_alive(pgid: int) -> bool:
-    if not _signal_group(pgid, 0):
-        return False
-    return await anyio.to_thread.run_sync(_live_member, pgid, abandon_on_cancel=True)
 
 
 def _read_file(path: str, limit: int) -> FileData:
@@ -306,7 +237,7 @@ class LocalHost(Host):
                     for scope in self._calls:
                         scope.cancel()
                     # Each call ends its own process group within kill_grace (+ drain).
-                    with anyio.move_on_after(self.config.kill_grace + _DRAIN_SECONDS + 5):
+                    with anyio.move_on_after(self.config.kill_grace + DRAIN_SECONDS + 5):
                         await self._calls_done.wait()
                 leftovers = sorted(self._workspaces)
                 if self._scratch is not None:
@@ -343,12 +274,6 @@ class LocalHost(Host):
 
     # -- commands ---------------------------------------------------------------------------------
 
-    def _environment(self, extra: Mapping[str, str]) -> dict[str, str]:
-        env = {k: os.environ[k] for k in self.config.env_passthrough if k in os.environ}
-        env.update(self.config.extra_env)
-        env.update(extra)
-        return env
-
     async def run(self, command: Command) -> CommandResult:
         self._check_open()
         started = time.monotonic()
@@ -372,7 +297,13 @@ class LocalHost(Host):
                         )
                 try:
                     self._active += 1
-                    return await self._execute(command, started)
+                    return await run_in_group(
+                        command,
+                        config=self.config,
+                        cwd=command.cwd or self.config.default_cwd or self._scratch,
+                        host=self.name,
+                        started=started,
+                    )
                 finally:
                     self._active -= 1
                     self._slots.release()
@@ -381,111 +312,6 @@ class LocalHost(Host):
                 if not self._calls and self._calls_done is not None:
                     self._calls_done.set()
         raise PoolClosed("the local backend was closed while the command ran")
-
-    def _argv(self, command: Command) -> list[str]:
-        if command.argv is not None:
-            return list(command.argv)
-        assert command.shell is not None
-        return [self.config.shell, "-c", command.shell]
-
-    async def _execute(self, command: Command, started: float) -> CommandResult:
-        argv = self._argv(command)
-        cwd = command.cwd or self.config.default_cwd or self._scratch
-        stdout = OutputBuffer(command.output_limit)
-        stderr = OutputBuffer(command.output_limit)
-        try:
-            # Shielded: a cancellation landing mid-spawn would lose a process
-            # that is already running (and its pipes). It lands just below
-            # instead, where the group is ended on the way out.
-            with anyio.CancelScope(shield=True):
-                process = await spawn(
-                    argv,
-                    cwd=cwd,
-                    env=self._environment(command.env),
-                    stdin=command.stdin is not None,
-                    stdout=stdout,
-                    stderr=stderr,
-                )
-        except (OSError, ValueError) as exc:
-            return self._spawn_failure(exc, argv[0], cwd, started)
-        timed_out = False
-        try:
-            if command.stdin is not None:
-                process.feed_stdin(command.stdin)
-            with anyio.move_on_after(command.timeout - (time.monotonic() - started)) as limit:
-                await process.wait_exit()
-            timed_out = limit.cancelled_caught
-        finally:
-            # On every way out (exit, timeout, cancellation): end the group, then
-            # let the pipes drain, bounded, and close them.
-            with anyio.CancelScope(shield=True):
-                try:
-                    await self._end_group(process)
-                    with anyio.move_on_after(_DRAIN_SECONDS):
-                        await process.wait_pipes_closed()
-                    # The group is gone, but a leader that died of the SIGTERM may be a
-                    # zombie asyncio has not collected yet: its status comes in a moment.
-                    with anyio.move_on_after(_REAP_SECONDS):
-                        await process.wait_exit()
-                finally:
-                    process.close()
-        returncode = process.returncode
-        exit_status: int | None
-        signal_name: str | None
-        if returncode is None:  # not collected in time: ended by us, status unknown
-            logger.warning("pid %d: exit status not collected after its group ended", process.pid)
-            exit_status, signal_name = None, "unknown (exit status not collected)"
-        else:
-            exit_status, signal_name = _exit_of(returncode)
-        return CommandResult(
-            exit_status=exit_status,
-            signal=signal_name,
-            stdout=stdout.result(),
-            stderr=stderr.result(),
-            duration=time.monotonic() - started,
-            timed_out=timed_out,
-            host=self.name,
-        )
-
-    async def _end_group(self, process: ChildProcess) -> None:
-        """End everything left in the call's process group: SIGTERM, grace, SIGKILL."""
-        pgid = process.pid
-        if not await _group_alive(pgid):
-            return
-        _signal_group(pgid, signal.SIGTERM)
-        with anyio.move_on_after(self.config.kill_grace):
-            delay = 0.005
-            while await _group_alive(pgid):
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 0.05)
-            return
-        _signal_group(pgid, signal.SIGKILL)
-        # SIGKILL cannot be caught; wait (bounded) only so the leader's status is known.
-        with anyio.move_on_after(1.0):
-            await process.wait_exit()
-
-    def _spawn_failure(
-        self, exc: OSError | ValueError, program: str, cwd: str | None, started: float
-    ) -> CommandResult:
-        if isinstance(exc, OSError) and exc.errno in _RESOURCE_ERRNOS:
-            raise BackendUnavailable(
-                f"cannot start a process: {exc}", backend="local", host=self.name
-            ) from exc
-        if isinstance(exc, OSError) and exc.filename is not None and exc.filename == cwd:
-            message, status = f"cannot run: working directory {cwd}: {exc.strerror}", 127
-        elif isinstance(exc, FileNotFoundError):
-            message, status = f"{program}: command not found", 127
-        elif isinstance(exc, OSError):
-            message, status = f"{program}: {exc.strerror or exc}", 126
-        else:
-            message, status = f"cannot run {program}: {exc}", 126
-        data = message.encode()
-        return CommandResult(
-            exit_status=status,
-            stderr=Output(data, len(data), False),
-            duration=time.monotonic() - started,
-            host=self.name,
-        )
 
     # -- files ------------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import anyio
 
@@ -319,31 +319,20 @@ async def spawn(
     (``OSError``, ``ValueError``).
     """
     loop = asyncio.get_running_loop()
-    stdin_mode = subprocess.PIPE if stdin else subprocess.DEVNULL
+    # The same child either way: its own group, only the pipes asked for, no inherited fds.
+    options: dict[str, Any] = {
+        "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+        "stdout": subprocess.PIPE,
+        "stderr": subprocess.PIPE,
+        "cwd": cwd,
+        "env": dict(env),
+        "process_group": 0,
+        "close_fds": True,
+    }
     if pidfd_supported():
         # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
-        popen = subprocess.Popen(  # noqa: ASYNC220
-            list(argv),
-            bufsize=0,
-            stdin=stdin_mode,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            cwd=cwd,
-            env=dict(env),
-            process_group=0,
-            close_fds=True,
-        )
+        popen = subprocess.Popen(list(argv), bufsize=0, **options)  # noqa: ASYNC220
         return _PidfdChild(popen, loop, stdout, stderr)
     protocol = _Protocol(stdout, stderr)
-    transport, _ = await loop.subprocess_exec(
-        lambda: protocol,
-        *argv,
-        stdin=stdin_mode,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=cwd,
-        env=dict(env),
-        process_group=0,
-        close_fds=True,
-    )
+    transport, _ = await loop.subprocess_exec(lambda: protocol, *argv, **options)
     return _AsyncioChild(transport, protocol)

@@ -1,8 +1,8 @@
 """A local backend's workspace directories, made and removed by a few threads of their own.
 
 Making and removing a directory tree are disk operations, so they do not run
-on the event loop (on a slow or stalled disk a ``mkdir`` can take seconds,
-PITFALLS 14). But a thread hop per operation, from the shared worker-thread
+on the event loop (on a slow or stalled disk a ``mkdir`` can take seconds, and
+every other call on the loop would stall with it). But a thread hop per operation, from the shared worker-thread
 pool, costs more than the operation when many sessions open and close at
 once: at 64 concurrent episodes beside a vLLM server on two cores, up to 64
 worker threads fought the event loop for the GIL, and making a workspace took

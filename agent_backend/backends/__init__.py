@@ -1,8 +1,9 @@
 """Backends: the places a tool runs, each a :class:`~agent_backend.dispatch.Backend` of hosts.
 
 * ``local`` (:mod:`agent_backend.backends.local`): subprocesses of this process, one process
-  group per call, workspaces under a local root (``local_process``: the spawn; ``local_owner``:
-  who owns a workspace; ``local_workspaces``: making, removing and spares).
+  group per call, workspaces under a local root (``local_config``: its pool config;
+  ``local_command``: one command from spawn to result; ``local_process``: the spawn;
+  ``local_owner``: who owns a workspace; ``local_workspaces``: making, removing and spares).
 * ``ssh`` (:mod:`agent_backend.backends.ssh`): pooled asyncssh connections to a fleet of hosts.
 * ``ray`` (:mod:`agent_backend.backends.ray`): tools as Ray actors, GPUs included, results by
   reference.

@@ -1,13 +1,4 @@
-"""A client for the daemon with the same calls as :class:`~agent_backend.dispatch.Dispatcher`.
-
-Switching between in-process and remote execution is one line::
-
-    runner = Dispatcher(registry, pool)            # in this process
-    runner = Client("http://127.0.0.1:8765")       # through a daemon
-    async with runner:
-        result = await runner.call(("exec", {"command": "ls"}))
-        async with runner.session() as session:
-            await session.call(("write_file", {"path": "a.txt", "content": "hi"}))
+"""The daemon's API over HTTP: :class:`Client` and its :class:`RemoteSession`.
 
 Every call carries an ``Idempotency-Key``; a retry (after a connection error,
 a 429 with ``Retry-After``, or a 503) sends the same key, so the daemon runs
@@ -24,7 +15,6 @@ daemon is closing; when it does, the request is sent again only when that
 is safe: an idempotent method, or a POST with the key the daemon honours.
 How long to wait between attempts is :func:`agent_backend.retry.retry_delay`.
 
-:class:`SyncClient` is the same client for code without an event loop.
 This module must never retry without the idempotency key, never retry a
 5xx that may have run the call (502, 504), and never import a class a
 server names.
@@ -40,12 +30,11 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, Self
 
 import anyio
-import anyio.from_thread
 import orjson
 
 from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
-from agent_backend.lifecycle import AsyncResource, SyncResource
+from agent_backend.lifecycle import AsyncResource
 from agent_backend.retry import RETRY_AFTER_STATUSES, parse_retry_after, retry_delay
 from agent_backend.tokens import find_token
 from agent_backend.wire import (
@@ -62,7 +51,7 @@ if TYPE_CHECKING:
     import aiohttp
     from yarl import URL
 
-__all__ = ["DEFAULT_URL", "Client", "RemoteSession", "SyncClient", "SyncSession"]
+__all__ = ["DEFAULT_URL", "URL_ENV", "Client", "RemoteSession", "ToolsFormat"]
 
 #: Where ``agent-backend serve`` listens by default.
 DEFAULT_URL: Final = "http://127.0.0.1:8765"
@@ -76,7 +65,8 @@ _JSON = "application/json"
 _ROUTES = tuple(
     f"{API_PREFIX}/{route}" for route in ("call", "batch", "sessions", "tools", "health/ready")
 )
-_Format = Literal["openai", "anthropic", "mcp"]
+#: The shapes :meth:`Client.tools` can give the tool list in (one per provider API).
+ToolsFormat = Literal["openai", "anthropic", "mcp"]
 
 
 def _dumps(body: object) -> bytes:
@@ -328,7 +318,7 @@ class Client(AsyncResource):
         """A new session on the daemon: ``async with client.session() as session``."""
         return RemoteSession(self)
 
-    async def tools(self, format: _Format = "openai") -> list[dict[str, Any]]:
+    async def tools(self, format: ToolsFormat = "openai") -> list[dict[str, Any]]:
         """The daemon's tool list, in the shape ``format``'s API expects."""
         _, answer = await self._request("GET", f"{API_PREFIX}/tools", params={"format": format})
         return ToolsResponse.model_validate_json(answer).tools
@@ -413,117 +403,5 @@ class RemoteSession(AsyncResource):
         idempotency_key: str | None = None,
     ) -> list[ToolResult]:
         return await self.client.call_many(
-            calls, timeout=timeout, session=self, idempotency_key=idempotency_key
-        )
-
-
-class SyncClient(SyncResource):
-    """:class:`Client` for code without an event loop; its loop runs on a private thread.
-
-    ``with SyncClient(url) as client: client.call(("exec", {"command": "ls"}))``.
-    """
-
-    def __init__(self, url: str | None = None, **options: Any) -> None:
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
-        try:
-            self.client = Client(url, **options)
-        except BaseException:
-            self._portal_cm.__exit__(None, None, None)
-            raise
-        self._closed = False
-
-    def __repr__(self) -> str:
-        return f"<SyncClient {self.client.url}{' closed' if self._closed else ''}>"
-
-    def close(self) -> None:
-        """Close the connections and stop the private thread; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._portal.call(self.client.aclose)
-        finally:
-            self._portal_cm.__exit__(None, None, None)
-
-    def call(
-        self,
-        call: CallLike,
-        *,
-        timeout: float | None = None,
-        session: SyncSession | None = None,
-        idempotency_key: str | None = None,
-    ) -> ToolResult:
-        remote = session.remote if session is not None else None
-        return self._portal.call(
-            lambda: self.client.call(
-                call, timeout=timeout, session=remote, idempotency_key=idempotency_key
-            )
-        )
-
-    def call_many(
-        self,
-        calls: Iterable[CallLike],
-        *,
-        timeout: float | None = None,
-        session: SyncSession | None = None,
-        idempotency_key: str | None = None,
-    ) -> list[ToolResult]:
-        remote = session.remote if session is not None else None
-        items = list(calls)
-        return self._portal.call(
-            lambda: self.client.call_many(
-                items, timeout=timeout, session=remote, idempotency_key=idempotency_key
-            )
-        )
-
-    def session(self) -> SyncSession:
-        """``with client.session() as session: session.call(...)``."""
-        return SyncSession(self)
-
-    def tools(self, format: _Format = "openai") -> list[dict[str, Any]]:
-        return self._portal.call(self.client.tools, format)
-
-    def ready(self) -> Readiness:
-        return self._portal.call(self.client.ready)
-
-
-class SyncSession(SyncResource):
-    """A :class:`RemoteSession` for :class:`SyncClient`."""
-
-    def __init__(self, owner: SyncClient) -> None:
-        self.owner = owner
-        self.remote = RemoteSession(owner.client)
-
-    def __repr__(self) -> str:
-        return repr(self.remote).replace("RemoteSession", "SyncSession", 1)
-
-    @property
-    def id(self) -> str:
-        return self.remote.id
-
-    def __enter__(self) -> Self:
-        self.open()
-        return self
-
-    def open(self) -> None:
-        self.owner._portal.call(self.remote.open)
-
-    def close(self) -> None:
-        self.owner._portal.call(self.remote.aclose)
-
-    def call(
-        self, call: CallLike, *, timeout: float | None = None, idempotency_key: str | None = None
-    ) -> ToolResult:
-        return self.owner.call(call, timeout=timeout, session=self, idempotency_key=idempotency_key)
-
-    def call_many(
-        self,
-        calls: Iterable[CallLike],
-        *,
-        timeout: float | None = None,
-        idempotency_key: str | None = None,
-    ) -> list[ToolResult]:
-        return self.owner.call_many(
             calls, timeout=timeout, session=self, idempotency_key=idempotency_key
         )

@@ -22,7 +22,7 @@ shielded from cancellation (the httpcore shape).
         demand > connecting x capacity and open + connecting < max_connections
                    │
                    ▼
-              connector task ──► ramp (≤ max_concurrent_handshakes, handshake_interval,
+              connector task ──► HandshakeRamp (≤ max_concurrent_handshakes, handshake_interval,
                                  backoff after failures) ──► Connector.connect()
                    │ ok: LeaseTable.add()             │ failed, nothing open: waiters get
                    ▼                                  ▼ BackendUnavailable; after
@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -55,6 +54,7 @@ import anyio.abc
 from agent_backend.backends._errors import describe
 from agent_backend.backends.ssh.background import Background
 from agent_backend.backends.ssh.config import SSHHostSettings
+from agent_backend.backends.ssh.ramp import HandshakeRamp
 from agent_backend.dispatch.leases import Lease, LeaseTable
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
@@ -153,10 +153,7 @@ class ConnectionPool(Generic[C]):
         """Connector tasks started and not finished."""
         self.background = Background(name, self.is_open)
         """Where the pool's (and its host's) background work starts."""
-        self._handshake_slots = anyio.Semaphore(settings.max_concurrent_handshakes)
-        self._next_handshake_at = 0.0
-        self._backoff_until = 0.0
-        self._backoff = settings.retry_backoff
+        self._ramp = HandshakeRamp(name, settings)
         self._to_close: list[C] = []
         self.down = False
         self.consecutive_failures = 0
@@ -322,7 +319,9 @@ class ConnectionPool(Generic[C]):
         """Open one connection for queued demand (never raises: it runs in the task group)."""
         try:
             try:
-                connection = await self._handshake()
+                connection = await self._ramp.connect(
+                    self.connector.connect, is_fatal=self.connector.is_fatal, is_open=self.is_open
+                )
             finally:
                 self.connecting -= 1
         except PoolClosed:
@@ -338,30 +337,6 @@ class ConnectionPool(Generic[C]):
             return
         await self._adopt(connection)
 
-    async def _handshake(self) -> C:
-        """Ramped and retried: at most max_concurrent_handshakes, spaced, backing off."""
-        settings = self.settings
-        last: BackendUnavailable | None = None
-        for _ in range(settings.connect_retries + 1):
-            async with self._handshake_slots:
-                now = time.monotonic()
-                start_at = max(now, self._next_handshake_at, self._backoff_until)
-                self._next_handshake_at = start_at + settings.handshake_interval
-                if start_at > now:
-                    await anyio.sleep(start_at - now)
-                if self.state != "open":
-                    raise PoolClosed(f"{self.name} is closing")
-                try:
-                    return await self.connector.connect()
-                except BackendUnavailable as exc:
-                    if self.connector.is_fatal(exc):
-                        raise
-                    last = exc
-            self._backoff_until = time.monotonic() + self._backoff * random.uniform(0.5, 1.0)
-            self._backoff = min(self._backoff * 2, settings.retry_backoff_max)
-        assert last is not None
-        raise last
-
     async def _adopt(self, connection: C) -> None:
         if self.state != "open":  # stop began during the handshake: never add it
             with anyio.CancelScope(shield=True):
@@ -370,7 +345,7 @@ class ConnectionPool(Generic[C]):
         self._table.add(connection, capacity=self.capacity)
         connection.watch(functools.partial(self._on_connection_lost, connection))
         self.consecutive_failures = 0
-        self._backoff = self.settings.retry_backoff
+        self._ramp.succeeded()
         if connection.has_died():
             self._on_connection_lost(connection, None)
         self._assign()

@@ -36,7 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final
 
 import anyio
 import anyio.abc
@@ -49,6 +49,7 @@ from agent_backend.backends.ray.actor import ERROR, VALUE, Outcome, ToolActor, t
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
 from agent_backend.backends.ray.replicas import Replica
+from agent_backend.backends.ray.reports import RayActorInfo, RayResult, RayStatistics
 from agent_backend.backends.ray.runtime import (
     ACTOR_DEATHS,
     actor_options,
@@ -95,69 +96,6 @@ def _task_error(exc: BaseException, tool: str) -> AgentBackendError:
 
 
 # -- the driver side --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RayResult:
-    """What one call on a Ray pool returned."""
-
-    tool: str
-    value: Any
-    """The tool's return value, or a :class:`PayloadRef` when it stayed in the object store."""
-    actor: str
-    """The actor that ran the (last) attempt: ``POOL-REPLICA.GENERATION``."""
-    duration: float
-    """Seconds from the call to its result, queueing and retry included."""
-    attempts: int = 1
-    """2 when an idempotent call was retried after its actor died."""
-
-    @property
-    def by_reference(self) -> bool:
-        return isinstance(self.value, PayloadRef)
-
-    @property
-    def payload(self) -> PayloadRef | None:
-        return self.value if isinstance(self.value, PayloadRef) else None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RayActorInfo:
-    """One actor of a pool, as the pool sees it now."""
-
-    name: str
-    """``POOL-REPLICA.GENERATION``, as errors name it."""
-    ray_name: str
-    """The Ray actor's name (``ray.get_actor(ray_name)``, ``ray list actors``)."""
-    state: Literal["starting", "live", "dead"]
-    in_flight: int
-    served: int
-    pid: int | None
-    node: str | None
-    gpu_ids: tuple[str, ...]
-    """GPUs Ray granted the actor, as ``ray.get_gpu_ids()`` reported inside it."""
-    cause: str | None
-    """Why it died; None while it lives."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RayStatistics:
-    actors_live: int
-    actors_starting: int
-    actors_dead: int
-    """Replicas that died and are not (yet) replaced."""
-    calls_in_flight: int
-    calls_queued: int
-    calls: int
-    """Calls finished (with a result or an error) since start."""
-    retries: int
-    """Idempotent calls run again after their actor died."""
-    evictions: int
-    """Actors evicted after they died."""
-    restarts: int
-    """Replacement actors started."""
-    payloads: int
-    """By-reference results not yet released."""
-    closed: bool
 
 
 @dataclasses.dataclass(eq=False, slots=True, kw_only=True)

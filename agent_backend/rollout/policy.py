@@ -48,25 +48,39 @@ align with its completion ids, and never hide a missing field behind a default.
 from __future__ import annotations
 
 import dataclasses
-import time
+import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeAlias, Unpack, runtime_checkable
 
-import aiohttp
-import orjson
-
-from agent_backend.errors import PolicyError
-from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
-from agent_backend.rollout.server_client import PolicyServerClient, PolicyStatistics, v1_url
+from agent_backend.rollout.logprobs import (
+    LogprobCheck,
+    NonFiniteCounters,
+    NonFinitePolicy,
+    check_logprobs,
+)
+from agent_backend.rollout.server_client import (
+    PolicyServerClient,
+    PolicyStatistics,
+    ServerOptions,
+    token_ids,
+    v1_url,
+)
 from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
 
 __all__ = [
     "AssistantTurn",
+    "Messages",
     "OpenAICompatiblePolicy",
     "Policy",
     "PolicyStatistics",
+    "ToolSpecs",
     "chat_completions_url",
 ]
+
+Messages: TypeAlias = Sequence[Mapping[str, Any]]
+"""A conversation in OpenAI chat format."""
+ToolSpecs: TypeAlias = Sequence[Mapping[str, Any]]
+"""Tools in OpenAI function format (``ToolRegistry.to_openai()``)."""
 
 _TOKEN_ID_PREFIX = "token_id:"
 
@@ -102,6 +116,32 @@ class AssistantTurn:
     drop_error: str | None = None
     """Set when the rollout must be dropped (non-finite logprobs under the ``drop`` policy)."""
 
+    @classmethod
+    def sampled(
+        cls,
+        message: dict[str, Any],
+        text: str,
+        calls: Sequence[ToolCall],
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        check: LogprobCheck,
+        finish_reason: object,
+    ) -> AssistantTurn:
+        """The turn of one sampled completion whose logprobs ``check`` made safe to keep
+        (a missing ``finish_reason`` is ``stop``)."""
+        return cls(
+            message=message,
+            text=text,
+            tool_calls=tuple(calls),
+            prompt_ids=prompt_ids,
+            completion_ids=completion_ids,
+            logprobs=check.logprobs,
+            mask=check.mask,
+            finish_reason=str(finish_reason) if finish_reason else "stop",
+            non_finite=check.count,
+            drop_error=check.error,
+        )
+
 
 @runtime_checkable
 class Policy(Protocol):
@@ -115,11 +155,7 @@ class Policy(Protocol):
     """
 
     async def generate(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None = None,
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
     ) -> AssistantTurn: ...
 
 
@@ -133,17 +169,6 @@ def chat_completions_url(url: str) -> str:
     return v1_url(url, "chat/completions")
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _ids(value: object) -> list[int] | None:
-    """``value`` as a list of token ids, or None when it is not one."""
-    if isinstance(value, list) and all(_is_token_id(v) for v in value):
-        return value
-    return None
-
-
 class OpenAICompatiblePolicy(PolicyServerClient):
     """A policy served by vLLM or SGLang behind ``/v1/chat/completions``.
 
@@ -152,77 +177,39 @@ class OpenAICompatiblePolicy(PolicyServerClient):
     for what is requested and required.
     """
 
+    _endpoint = "chat/completions"
+
     def __init__(
         self,
         url: str,
         *,
-        model: str | None = None,
-        api_key: str | None = None,
-        temperature: float = 1.0,
-        top_p: float | None = None,
-        max_tokens: int | None = None,
-        top_logprobs: int = 1,
         non_finite: NonFinitePolicy = "fail",
-        timeout: float = 300.0,
-        max_retries: int = 4,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
-        extra_body: Mapping[str, Any] | None = None,
         counters: NonFiniteCounters | None = None,
-        client: aiohttp.ClientSession | None = None,
+        **options: Unpack[ServerOptions],
     ) -> None:
         """
         Args:
             url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
-            model: the served model name; None: the first of ``GET /v1/models``.
-            api_key: sent as ``Authorization: Bearer``.
-            temperature, top_p: sampling parameters (RL samples at temperature 1).
-            max_tokens: the most tokens one turn may sample (``max_tokens``), unless
-                ``generate`` is given a smaller bound.
-            top_logprobs: alternatives per token to ask for (at least 1: some engines
-                answer no logprobs at all without it).
             non_finite: what to do with a NaN/inf/null logprob: mask, drop or fail.
-            timeout: seconds one HTTP attempt may take, end to end.
-            max_retries: attempts after the first, on 5xx/408/429, connection errors
-                and timeouts.
-            backoff, max_backoff: the first retry's delay, doubled per retry up to
-                ``max_backoff``, with jitter.
-            extra_body: more request fields (e.g. ``{"return_input_ids": true}`` for
-                SGLang's sglext, ``chat_template_kwargs``, ``repetition_penalty``).
             counters: where non-finite logprobs are counted (shared with a pool).
-            client: an aiohttp session to use (not closed here); default: our own, made on
-                first use.
+            options: as :class:`~agent_backend.rollout.server_client.PolicyServerClient`
+                (``model``, ``temperature``, ``max_tokens``, ``timeout``, ``max_retries`` ...);
+                ``top_logprobs`` must be at least 1 (some engines answer no logprobs at all
+                without it), and ``extra_body`` may hold e.g. ``{"return_input_ids": true}``
+                for SGLang's sglext, ``chat_template_kwargs``, ``repetition_penalty``.
         """
-        if top_logprobs < 1:
+        super().__init__(url, **options)
+        if self.top_logprobs < 1:
             raise ValueError(
                 "top_logprobs must be at least 1 (without it engines answer no logprobs)"
             )
-        super().__init__(
-            chat_completions_url(url),
-            model=model,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            backoff=backoff,
-            max_backoff=max_backoff,
-            client=client,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            extra_body=extra_body,
-        )
-        self.top_logprobs = top_logprobs
         self.non_finite: NonFinitePolicy = non_finite
         self.counters = counters if counters is not None else NonFiniteCounters()
 
     # -- requests ---------------------------------------------------------------------------------
 
     def request_body(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None = None,
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
     ) -> dict[str, Any]:
         """The JSON body of one chat-completions request (shown in docs/rollouts.md)."""
         body: dict[str, Any] = {
@@ -238,87 +225,47 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         return self._sampling(body, max_tokens)
 
     async def generate(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None = None,
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
     ) -> AssistantTurn:
         """Sample one turn; :class:`PolicyError` when the server fails or answers unusably."""
-        self._check_open()
-        started = time.perf_counter()
-        try:
-            if self.model is None:
-                await self._discover_model()
-            body = self.request_body(messages, tools, max_tokens=max_tokens)
-            data = await self._post(orjson.dumps(body))
-            turn = self._turn(data)
-        except PolicyError:
-            self._failures += 1
-            raise
-        finally:
-            self._seconds += time.perf_counter() - started
-        self._turns += 1
-        return turn
+        return await self._request(
+            functools.partial(self.request_body, messages, tools, max_tokens=max_tokens),
+            self._turn,
+        )
 
     def _turn(self, data: Any) -> AssistantTurn:
         if not isinstance(data, dict):
             raise self._unusable("a JSON object")
-        choices = data.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise self._unusable("choices")
-        choice: dict[str, Any] = choices[0]
+        choice = self._first_choice(data)
         raw_message = choice.get("message")
         if not isinstance(raw_message, dict):
             raise self._unusable("a message")
         content = raw_message.get("content")
         if content is not None and not isinstance(content, str):
             raise self._unusable("text content", "Multimodal content is not supported")
-        entries = self._logprob_entries(choice)
+        entries = self._logprobs(
+            choice, "content", f"logprobs: true, top_logprobs: {self.top_logprobs}"
+        )
         prompt_ids = self._prompt_ids(data, choice)
         completion_ids = self._completion_ids(data, choice, entries)
         if len(completion_ids) != len(entries):
-            raise PolicyError(
-                f"the policy server at {self.url} answered {len(completion_ids)} completion token "
-                f"ids but {len(entries)} logprobs; they must align one to one",
-                status=200,
-                url=self.url,
-            )
-        values = [entry.get("logprob") if isinstance(entry, dict) else None for entry in entries]
-        check = check_logprobs(values, policy=self.non_finite, counters=self.counters)
+            raise self._misaligned(len(completion_ids), len(entries))
         message: dict[str, Any] = {"role": "assistant", "content": content}
         raw_calls = raw_message.get("tool_calls")
         if raw_calls:
             message["tool_calls"] = raw_calls
         elif content is None:
             message["content"] = ""
-        calls = parse_tool_calls(message)
         text = from_hermes(content)[0] if content and "<tool_call>" in content else content or ""
-        finish = choice.get("finish_reason")
-        return AssistantTurn(
-            message=message,
-            text=text,
-            tool_calls=tuple(calls),
-            prompt_ids=prompt_ids,
-            completion_ids=completion_ids,
-            logprobs=check.logprobs,
-            mask=check.mask,
-            finish_reason=str(finish) if finish else "stop",
-            non_finite=check.count,
-            drop_error=check.error,
+        check = check_logprobs(
+            [entry.get("logprob") if isinstance(entry, dict) else None for entry in entries],
+            policy=self.non_finite,
+            counters=self.counters,
         )
-
-    def _logprob_entries(self, choice: dict[str, Any]) -> list[Any]:
-        logprobs = choice.get("logprobs")
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        if not isinstance(entries, list):
-            raise self._unusable(
-                "logprobs",
-                f"The request asked for them (logprobs: true, top_logprobs: {self.top_logprobs}); "
-                "check that the server supports logprobs for chat completions "
-                "(vLLM: --max-logprobs must be >= top_logprobs)",
-            )
-        return entries
+        calls, finish = parse_tool_calls(message), choice.get("finish_reason")
+        return AssistantTurn.sampled(
+            message, text, calls, prompt_ids, completion_ids, check, finish
+        )
 
     def _prompt_ids(self, data: dict[str, Any], choice: dict[str, Any]) -> list[int]:
         sglext = data.get("sglext")
@@ -327,7 +274,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             choice.get("prompt_token_ids"),  # SGLang return_token_ids
             sglext.get("input_ids") if isinstance(sglext, dict) else None,  # SGLang sglext
         ):
-            ids = _ids(candidate)
+            ids = token_ids(candidate)
             if ids is not None:
                 return ids
         raise self._unusable(
@@ -341,7 +288,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
     def _completion_ids(
         self, data: dict[str, Any], choice: dict[str, Any], entries: list[Any]
     ) -> list[int]:
-        ids = _ids(choice.get("token_ids"))
+        ids = token_ids(choice.get("token_ids"))
         if ids is not None:
             return ids
         sglext = data.get("sglext")
@@ -349,7 +296,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             output = sglext.get("output_ids")
             index = choice.get("index", 0)
             if isinstance(output, list) and isinstance(index, int) and 0 <= index < len(output):
-                ids = _ids(output[index])
+                ids = token_ids(output[index])
                 if ids is not None:
                     return ids
         # vLLM's return_tokens_as_token_ids: logprob tokens read "token_id:123".
@@ -365,8 +312,4 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         else:
             if entries:
                 return parsed
-        raise self._unusable(
-            "the completion's token ids",
-            "The request asked for them (return_token_ids: true): upgrade a vLLM older than "
-            "that field (vllm-project/vllm#22587)",
-        )
+        raise self._no_completion_ids()

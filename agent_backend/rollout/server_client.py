@@ -30,17 +30,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Mapping
-from typing import Any
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, TypedDict, TypeVar
 
 import aiohttp
 import anyio
+import orjson
 
 from agent_backend.errors import PolicyError, clip
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.retry import retry_delay
 
-__all__ = ["PolicyServerClient", "PolicyStatistics", "v1_url"]
+__all__ = ["PolicyServerClient", "PolicyStatistics", "ServerOptions", "token_ids", "v1_url"]
+
+_T = TypeVar("_T")
 
 # HTTP statuses worth another attempt: the server is overloaded, restarting or timed out.
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -77,30 +81,87 @@ def v1_url(url: str, endpoint: str) -> str:
     return f"{base}/{endpoint}"
 
 
+def token_ids(value: object) -> list[int] | None:
+    """``value`` as a list of token ids (non-negative ints), or None when it is not one."""
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        return value
+    return None
+
+
+class ServerOptions(TypedDict, total=False):
+    """:class:`PolicyServerClient`'s keyword arguments (documented there), for a subclass that
+    adds its own and passes these on: mypy checks them against that signature."""
+
+    model: str | None
+    api_key: str | None
+    temperature: float
+    top_p: float | None
+    max_tokens: int | None
+    top_logprobs: int
+    timeout: float
+    max_retries: int
+    backoff: float
+    max_backoff: float
+    extra_body: Mapping[str, Any] | None
+    client: aiohttp.ClientSession | None
+
+
 class PolicyServerClient(AsyncResource):
-    """Posts to one endpoint of a policy server, with bounded retries (module docstring)."""
+    """Posts to one endpoint of a policy server, with bounded retries (module docstring).
+
+    A subclass names its endpoint (``_endpoint``), builds request bodies and reads answers;
+    :meth:`_request` does the rest of every call.
+    """
+
+    _endpoint: ClassVar[str]
+    """The endpoint under the server's ``/v1`` (``chat/completions``, ``completions``)."""
 
     def __init__(
         self,
         url: str,
         *,
-        model: str | None,
-        api_key: str | None,
-        timeout: float,
-        max_retries: int,
-        backoff: float,
-        max_backoff: float,
-        client: aiohttp.ClientSession | None,
-        temperature: float,
-        top_p: float | None,
-        max_tokens: int | None,
-        extra_body: Mapping[str, Any] | None,
+        model: str | None = None,
+        api_key: str | None = None,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        top_logprobs: int = 1,
+        timeout: float = 300.0,
+        max_retries: int = 4,
+        backoff: float = 0.5,
+        max_backoff: float = 10.0,
+        extra_body: Mapping[str, Any] | None = None,
+        client: aiohttp.ClientSession | None = None,
     ) -> None:
+        """
+        Args:
+            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
+            model: the served model name; None: the first of ``GET /v1/models``.
+            api_key: sent as ``Authorization: Bearer``.
+            temperature, top_p: sampling parameters (RL samples at temperature 1).
+            max_tokens: the most tokens one turn may sample (``max_tokens``), unless the
+                call is given a smaller bound.
+            top_logprobs: alternatives per token to ask for, beside the sampled token's own
+                logprob.
+            timeout: seconds one HTTP attempt may take, end to end.
+            max_retries: attempts after the first, on 5xx/408/425/429, connection errors
+                and timeouts.
+            backoff, max_backoff: the first retry's delay, doubled per retry up to
+                ``max_backoff``, with jitter (or the server's ``Retry-After``).
+            extra_body: more request fields, sent with every request (they win over ours).
+            client: an aiohttp session to use (not closed here); default: our own, made on
+                first use.
+        """
         if not timeout > 0:
             raise ValueError("timeout must be positive")
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
-        self.url = url
+        if top_logprobs < 0:
+            raise ValueError("top_logprobs must be >= 0")
+        self.url = v1_url(url, self._endpoint)
+        self.top_logprobs = top_logprobs
         self.model = model
         self.timeout = timeout
         self.max_retries = max_retries
@@ -206,6 +267,23 @@ class PolicyServerClient(AsyncResource):
             rng=self._random,
         )
 
+    async def _request(self, body: Callable[[], dict[str, Any]], answer: Callable[[Any], _T]) -> _T:
+        """One call: ``body()`` (built once the model is known) posted with retries, the JSON
+        answer read by ``answer``; counted and timed. Failures raise :class:`PolicyError`."""
+        self._check_open()
+        started = time.perf_counter()
+        try:
+            if self.model is None:
+                await self._discover_model()
+            result = answer(await self._post(orjson.dumps(body())))
+        except PolicyError:
+            self._failures += 1
+            raise
+        finally:
+            self._seconds += time.perf_counter() - started
+        self._turns += 1
+        return result
+
     async def _post(self, payload: bytes) -> Any:
         last: PolicyError | None = None
         retry_after: str | None = None
@@ -266,6 +344,40 @@ class PolicyServerClient(AsyncResource):
                 status=status,
                 url=self.url,
             ) from None
+
+    def _first_choice(self, data: Any) -> dict[str, Any]:
+        """The first of an answer's ``choices``."""
+        choices = data.get("choices") if isinstance(data, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._unusable("choices")
+        return choices[0]
+
+    def _logprobs(self, choice: dict[str, Any], key: str, asked: str) -> list[Any]:
+        """``choice["logprobs"][key]``: the logprobs the request asked for with ``asked``."""
+        logprobs = choice.get("logprobs")
+        values = logprobs.get(key) if isinstance(logprobs, dict) else None
+        if not isinstance(values, list):
+            raise self._unusable(
+                "logprobs",
+                f"The request asked for them ({asked}); check that the server supports "
+                f"logprobs on this endpoint (vLLM: --max-logprobs must be >= {self.top_logprobs})",
+            )
+        return values
+
+    def _misaligned(self, ids: int, logprobs: int) -> PolicyError:
+        return PolicyError(
+            f"the policy server at {self.url} answered {ids} completion token ids "
+            f"but {logprobs} logprobs; they must align one to one",
+            status=200,
+            url=self.url,
+        )
+
+    def _no_completion_ids(self) -> PolicyError:
+        return self._unusable(
+            "the completion's token ids",
+            "The request asked for them (return_token_ids: true): upgrade a vLLM older than "
+            "that field (vllm-project/vllm#22587)",
+        )
 
     def _unusable(self, problem: str, fix: str = "") -> PolicyError:
         return PolicyError(

@@ -34,21 +34,24 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import aiohttp
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import orjson
 
 from agent_backend.errors import PolicyError
 from agent_backend.rollout.chat_template import ChatTemplate
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
-from agent_backend.rollout.policy import AssistantTurn, OpenAICompatiblePolicy, Policy
-from agent_backend.rollout.server_client import PolicyServerClient, v1_url
+from agent_backend.rollout.policy import (
+    AssistantTurn,
+    Messages,
+    OpenAICompatiblePolicy,
+    Policy,
+    ToolSpecs,
+)
+from agent_backend.rollout.server_client import PolicyServerClient, token_ids
 
 __all__ = [
     "SampledTokens",
@@ -115,11 +118,7 @@ class TokenPolicy:
         return EpisodeTokens(self)
 
     async def generate(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None = None,
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
     ) -> AssistantTurn:
         """One turn of a conversation with no past turns of this policy (a one-turn episode)."""
         return await self.for_episode().generate(messages, tools, max_tokens=max_tokens)
@@ -138,9 +137,7 @@ class EpisodeTokens:
     def __repr__(self) -> str:
         return f"<EpisodeTokens context={len(self._context)} tokens>"
 
-    def _prompt(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
-    ) -> list[int]:
+    def _prompt(self, messages: Messages, tools: ToolSpecs) -> list[int]:
         template = self._policy.template
         if self._last is None:
             return template.prompt_ids(messages, tools)
@@ -155,11 +152,7 @@ class EpisodeTokens:
         return self._context + template.continuation_ids(new, tools, after=self._last_ids)
 
     async def generate(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        max_tokens: int | None = None,
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
     ) -> AssistantTurn:
         policy = self._policy
         prompt = self._prompt(messages, tools)
@@ -185,17 +178,8 @@ class EpisodeTokens:
         self._seen = len(messages)
         self._last = message
         self._last_ids = ids
-        return AssistantTurn(
-            message=message,
-            text=prose,
-            tool_calls=tuple(calls),
-            prompt_ids=prompt,
-            completion_ids=ids,
-            logprobs=check.logprobs,
-            mask=check.mask,
-            finish_reason=sampled.finish_reason or "stop",
-            non_finite=check.count,
-            drop_error=check.error,
+        return AssistantTurn.sampled(
+            message, prose, calls, prompt, ids, check, sampled.finish_reason
         )
 
 
@@ -211,58 +195,15 @@ class VLLMTokenSampler(PolicyServerClient):
     Each request asks for the sampled token's logprob (``logprobs``) and the
     completion's ids (``return_token_ids``), with special tokens kept in the
     text; a response without them raises :class:`PolicyError` (never a
-    silently zeroed mask that stops training making progress). Retries as for chat completions
-    (:class:`~agent_backend.rollout.server_client.PolicyServerClient`).
+    silently zeroed mask that stops training making progress). Its arguments
+    and retries are :class:`~agent_backend.rollout.server_client.PolicyServerClient`'s:
+    ``max_tokens`` is required here or per call (an OpenAI completions endpoint
+    samples 16 tokens without it); ``top_logprobs`` may be 0 (the sampled
+    token's own logprob always comes first); ``extra_body`` may hold
+    ``structured_outputs`` for guided decoding, ``repetition_penalty``, ``seed`` ...
     """
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        model: str | None = None,
-        api_key: str | None = None,
-        temperature: float = 1.0,
-        top_p: float | None = None,
-        max_tokens: int | None = None,
-        top_logprobs: int = 1,
-        timeout: float = 300.0,
-        max_retries: int = 4,
-        backoff: float = 0.5,
-        max_backoff: float = 10.0,
-        extra_body: Mapping[str, Any] | None = None,
-        client: aiohttp.ClientSession | None = None,
-    ) -> None:
-        """
-        Args:
-            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
-            model: the served model name; None: the first of ``GET /v1/models``.
-            temperature, top_p: sampling parameters (RL samples at temperature 1).
-            max_tokens: the most tokens one completion may sample, unless ``sample``
-                is given a smaller bound. Required here or per call: an OpenAI
-                completions endpoint samples 16 tokens without it.
-            top_logprobs: alternatives per token (``logprobs``; the sampled token's
-                own logprob always comes first).
-            extra_body: more request fields (``structured_outputs`` for guided decoding,
-                ``repetition_penalty``, ``seed`` ...), sent with every request.
-            The others: as :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`.
-        """
-        if top_logprobs < 0:
-            raise ValueError("top_logprobs must be >= 0")
-        super().__init__(
-            v1_url(url, "completions"),
-            model=model,
-            api_key=api_key,
-            timeout=timeout,
-            max_retries=max_retries,
-            backoff=backoff,
-            max_backoff=max_backoff,
-            client=client,
-            temperature=temperature,
-            top_p=top_p,
-            max_tokens=max_tokens,
-            extra_body=extra_body,
-        )
-        self.top_logprobs = top_logprobs
+    _endpoint = "completions"
 
     def request_body(
         self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
@@ -293,52 +234,18 @@ class VLLMTokenSampler(PolicyServerClient):
         self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
     ) -> SampledTokens:
         """Sample one completion; :class:`PolicyError` when the server fails or answers unusably."""
-        self._check_open()
-        started = time.perf_counter()
-        try:
-            if self.model is None:
-                await self._discover_model()
-            data = await self._post(
-                orjson.dumps(self.request_body(prompt_ids, max_tokens=max_tokens))
-            )
-            sampled = self._sampled(data)
-        except PolicyError:
-            self._failures += 1
-            raise
-        finally:
-            self._seconds += time.perf_counter() - started
-        self._turns += 1
-        return sampled
+        return await self._request(
+            functools.partial(self.request_body, prompt_ids, max_tokens=max_tokens), self._sampled
+        )
 
     def _sampled(self, data: Any) -> SampledTokens:
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            raise self._unusable("choices")
-        choice: dict[str, Any] = choices[0]
-        ids = choice.get("token_ids")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-        ):
-            raise self._unusable(
-                "the completion's token ids",
-                "The request asked for them (return_token_ids: true): upgrade a vLLM older "
-                "than that field (vllm-project/vllm#22587)",
-            )
-        logprobs = choice.get("logprobs")
-        values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-        if not isinstance(values, list):
-            raise self._unusable(
-                "logprobs",
-                f"The request asked for them (logprobs: {self.top_logprobs}); vLLM: "
-                "--max-logprobs must be >= that",
-            )
+        choice = self._first_choice(data)
+        ids = token_ids(choice.get("token_ids"))
+        if ids is None:
+            raise self._no_completion_ids()
+        values = self._logprobs(choice, "token_logprobs", f"logprobs: {self.top_logprobs}")
         if len(values) != len(ids):
-            raise PolicyError(
-                f"the policy server at {self.url} answered {len(ids)} completion token ids "
-                f"but {len(values)} logprobs; they must align one to one",
-                status=200,
-                url=self.url,
-            )
+            raise self._misaligned(len(ids), len(values))
         finish = choice.get("finish_reason")
         return SampledTokens(
             token_ids=ids,

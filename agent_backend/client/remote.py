@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Final, Literal, Self
 import anyio
 import orjson
 
-from agent_backend.dispatch import CallLike, ToolResult, as_tool_call
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.retry import RETRY_AFTER_STATUSES, parse_retry_after, retry_delay
@@ -43,6 +42,7 @@ from agent_backend.wire import (
     BatchResponse,
     Readiness,
     SessionInfo,
+    ToolResult,
     ToolsResponse,
     error_from_wire,
 )
@@ -50,6 +50,8 @@ from agent_backend.wire import (
 if TYPE_CHECKING:
     import aiohttp
     from yarl import URL
+
+    from agent_backend.dispatch import CallLike
 
 __all__ = ["DEFAULT_URL", "URL_ENV", "Client", "RemoteSession", "ToolsFormat"]
 
@@ -79,6 +81,10 @@ def _dumps(body: object) -> bytes:
 def _wire_call(call: CallLike, index: int) -> dict[str, Any]:
     if type(call) is tuple and len(call) == 2 and type(call[0]) is str and type(call[1]) is dict:
         return {"id": f"call_{index}", "name": call[0], "arguments": call[1]}  # the common case
+    # Any other shape is read the one way dispatch reads it. Imported here, not with the
+    # module, so that importing the client does not load dispatch (nor the schema layer).
+    from agent_backend.dispatch import as_tool_call
+
     item = as_tool_call(call, index)
     arguments = item.arguments
     wire: dict[str, Any] = {

@@ -9,14 +9,16 @@ owns the connections) and must stop that thread at :meth:`SyncClient.close`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import anyio.from_thread
 
 from agent_backend.client.remote import Client, RemoteSession, ToolsFormat
-from agent_backend.dispatch import CallLike, ToolResult
 from agent_backend.lifecycle import SyncResource
-from agent_backend.wire import Readiness
+from agent_backend.wire import Readiness, ToolResult
+
+if TYPE_CHECKING:
+    from agent_backend.dispatch import CallLike
 
 __all__ = ["SyncClient", "SyncSession"]
 

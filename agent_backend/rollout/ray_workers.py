@@ -67,7 +67,7 @@ from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
-from agent_backend.rollout.runner import Episode, EpisodeSummary
+from agent_backend.rollout.runner import EpisodeRunner, EpisodeSummary
 from agent_backend.rollout.trajectory import Trajectory
 from agent_backend.tools import ToolRegistry
 
@@ -252,7 +252,7 @@ class _Worker(Replica):
         )
 
 
-class RayRolloutWorkers(ActorSupervisor[_Worker]):
+class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
     """Rollout workers as Ray actors, for :class:`~agent_backend.rollout.pool.RolloutPool`
     (``workers=``): episodes scale out.
 
@@ -404,24 +404,13 @@ class RayRolloutWorkers(ActorSupervisor[_Worker]):
 
     # -- episodes --------------------------------------------------------------------------------
 
-    supports_refs: Final = True
+    supports_refs = True
 
-    async def run(
-        self,
-        prompt: Any,
-        ids: EpisodeIds,
-        *,
-        policy_version: Callable[[], int],
-        by_reference: bool = False,
-    ) -> Episode:
-        """One episode for a :class:`~agent_backend.rollout.pool.RolloutPool` (the
-        :class:`~agent_backend.rollout.runner.EpisodeRunner` protocol): the policy version
-        when it starts; by reference, its summary and one ref to its records."""
-        version = policy_version()
-        if by_reference:
-            summary, ref = await self.run_episode_by_reference(prompt, ids, version)
-            return Episode(summary, [ref])
-        return Episode.of(await self.run_episode(prompt, ids, version))
+    async def records(
+        self, prompt: Any, ids: EpisodeIds, policy_version: Callable[[], int]
+    ) -> list[Trajectory]:
+        """:meth:`run_episode` at the policy version when it starts (:class:`EpisodeRunner`)."""
+        return await self.run_episode(prompt, ids, policy_version())
 
     async def run_episode(self, prompt: Any, ids: EpisodeIds, version: int) -> list[Trajectory]:
         """One episode on the least-loaded live worker: its records (fetched into this process).

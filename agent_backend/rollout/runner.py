@@ -1,4 +1,4 @@
-"""How a rollout pool runs one episode: the :class:`EpisodeRunner` protocol and its two kinds.
+"""How a rollout pool runs one episode: the :class:`EpisodeRunner` base and its two kinds.
 
 :class:`~agent_backend.rollout.pool.RolloutPool` keeps the ledger, the
 groups and the delivery; an episode runner runs each episode and hands back
@@ -17,9 +17,10 @@ the pool and the Ray workers import it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 from agent_backend.dispatch import Dispatcher
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
@@ -82,18 +83,18 @@ class Episode:
         return cls(EpisodeSummary.of(records), records)
 
 
-class EpisodeRunner(Protocol):
-    """Runs the episodes of a :class:`~agent_backend.rollout.pool.RolloutPool`."""
+class EpisodeRunner(abc.ABC):
+    """Runs the episodes of a :class:`~agent_backend.rollout.pool.RolloutPool`.
 
-    @property
-    def episode(self) -> EpisodeConfig:
-        """The limits of each episode it runs."""
-        ...
+    A runner implements :meth:`records`, and :meth:`run_episode_by_reference` when it can
+    leave the records in Ray's object store (``supports_refs``); :meth:`run`, what the
+    pool calls, is the same for every runner.
+    """
 
-    @property
-    def supports_refs(self) -> bool:
-        """True when it can leave the records in Ray's object store (``by_reference``)."""
-        ...
+    episode: EpisodeConfig
+    """The limits of each episode it runs."""
+    supports_refs: ClassVar[bool] = False
+    """True when it can leave the records in Ray's object store (``by_reference``)."""
 
     async def run(
         self,
@@ -105,15 +106,31 @@ class EpisodeRunner(Protocol):
     ) -> Episode:
         """One episode of ``prompt``, failed or not (a failure is a record, never raised but
         for what must stop the run). ``policy_version`` reads the version now."""
-        ...
+        if not by_reference:
+            return Episode.of(await self.records(prompt, ids, policy_version))
+        if not self.supports_refs:
+            raise ValueError(f"{type(self).__name__} has no records by reference")
+        summary, ref = await self.run_episode_by_reference(prompt, ids, policy_version())
+        return Episode(summary, [ref])
+
+    @abc.abstractmethod
+    async def records(
+        self, prompt: Any, ids: EpisodeIds, policy_version: Callable[[], int]
+    ) -> list[Trajectory]:
+        """One episode's records, in this process."""
+
+    async def run_episode_by_reference(
+        self, prompt: Any, ids: EpisodeIds, version: int
+    ) -> tuple[EpisodeSummary, Any]:
+        """One episode sampled at policy ``version``: its summary, and one Ray ``ObjectRef``
+        to its records (only where ``supports_refs``)."""
+        raise NotImplementedError
 
 
-class InProcessRunner:
+class InProcessRunner(EpisodeRunner):
     """Episodes in this process: ``policy`` samples the turns, ``dispatcher`` (open) runs the
     tools, one session per episode; ``tools`` are the tools offered (default: the
     dispatcher's registry)."""
-
-    supports_refs = False
 
     def __init__(
         self,
@@ -135,17 +152,10 @@ class InProcessRunner:
         self.reward = reward
         self.episode = episode or EpisodeConfig()
 
-    async def run(
-        self,
-        prompt: Any,
-        ids: EpisodeIds,
-        *,
-        policy_version: Callable[[], int],
-        by_reference: bool = False,
-    ) -> Episode:
-        if by_reference:
-            raise ValueError("episodes in this process have no records by reference")
-        records = await run_episode(
+    async def records(
+        self, prompt: Any, ids: EpisodeIds, policy_version: Callable[[], int]
+    ) -> list[Trajectory]:
+        return await run_episode(
             prompt,
             policy=self.policy,
             dispatcher=self.dispatcher,
@@ -155,7 +165,6 @@ class InProcessRunner:
             ids=ids,
             policy_version=policy_version,
         )
-        return Episode.of(records)
 
 
 def episode_runner(

@@ -1,7 +1,9 @@
 """Run one prepared call where its route says, and turn what it gave into a :class:`ToolResult`.
 
 The steps of :class:`~agent_backend.dispatch.Dispatcher` that do not depend
-on its sessions or pools: a Python function in this process, a built-in or
+on its sessions or pools: a Python function in this process (through the
+tools layer's one function runner, which abandons a sync function's thread
+at the timeout), a built-in or
 a command on a host, a tool a pool's workers host; and a batch of calls run
 concurrently. What the model caused is a result; what the infrastructure
 caused is raised.
@@ -12,14 +14,11 @@ This module must never run arguments that did not pass the tool's schema
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-import anyio.to_thread
 import orjson
 import pydantic_core
 
@@ -29,7 +28,7 @@ from agent_backend.dispatch.output import head_tail
 from agent_backend.dispatch.result import ToolResult, command_result
 from agent_backend.dispatch.spec import ExecutionSpec
 from agent_backend.errors import AgentBackendError, ModelFacingError, ToolFailed, ToolTimeout
-from agent_backend.tools import Tool, ToolCall
+from agent_backend.tools import Tool, ToolCall, run_prepared
 
 __all__ = ["gather", "run_function", "run_hosted", "run_on_host"]
 
@@ -37,42 +36,8 @@ logger = logging.getLogger("agent_backend.dispatch")
 
 
 def _jsonable(value: Any) -> bytes:
-    # NaN/Infinity become strings: never write a non-finite number into JSON (PITFALLS 21).
+    # NaN and Infinity become strings: a NaN written into JSON makes readers fail on it.
     return pydantic_core.to_json(value, fallback=repr, inf_nan_mode="strings")
-
-
-def _unwrap(function: Callable[..., Any]) -> Callable[..., Any]:
-    while isinstance(function, functools.partial):
-        function = function.func
-    return function
-
-
-def _is_async(function: Callable[..., Any]) -> bool:
-    target = _unwrap(function)
-    if inspect.iscoroutinefunction(target):
-        return True
-    call = getattr(type(target), "__call__", None)  # noqa: B004 - callable instances
-    return call is not None and inspect.iscoroutinefunction(call)
-
-
-async def _call_function(tool: Tool, arguments: dict[str, Any]) -> Any:
-    """Run ``tool.function`` with prepared arguments, as ``Tool.invoke`` does.
-
-    The difference: a synchronous function runs in a worker thread that a
-    timeout *abandons* (a thread cannot be killed), so the call returns at
-    its timeout instead of when the function chooses to.
-    """
-    function = tool.function
-    assert function is not None
-    kwargs = tool.bind_arguments(arguments) if tool.bind_arguments else arguments
-    if _is_async(function):
-        return await function(**kwargs)
-    result = await anyio.to_thread.run_sync(
-        functools.partial(function, **kwargs), abandon_on_cancel=True
-    )
-    if inspect.isawaitable(result):
-        return await result
-    return result
 
 
 async def run_on_host(
@@ -142,7 +107,7 @@ async def run_function(
 ) -> ToolResult:
     with anyio.move_on_after(seconds) as deadline:
         try:
-            value = await _call_function(tool, arguments)
+            value = await run_prepared(tool, arguments)
         except ModelFacingError as exc:
             return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
         except ToolFailed as exc:  # a tool's own failure, already carried as data

@@ -43,7 +43,6 @@ episode, and never put a token the policy did not sample under mask 1.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import time
@@ -67,7 +66,7 @@ from agent_backend.errors import (
 from agent_backend.rollout.policy import AssistantTurn, Policy
 from agent_backend.rollout.tokens import TokenPolicy
 from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
-from agent_backend.tools import ToolCall, ToolRegistry
+from agent_backend.tools import ToolCall, ToolRegistry, call_function
 
 __all__ = [
     "EpisodeConfig",
@@ -466,12 +465,8 @@ async def _score(
     began = time.perf_counter()
     try:
         with anyio.fail_after(config.reward_timeout):
-            if _is_async(reward):
-                value = await reward(given)  # type: ignore[misc]
-            else:
-                value = await anyio.to_thread.run_sync(reward, given, abandon_on_cancel=True)
-                if inspect.isawaitable(value):
-                    value = await value
+            # Awaited, or in a worker thread abandoned at the timeout (a thread cannot be killed).
+            value = await call_function(reward, (given,))
     except TimeoutError:
         raise RolloutError(
             f"the reward did not finish within {config.reward_timeout:g} s"
@@ -486,13 +481,6 @@ async def _score(
         return _reward_value(value)
     except (TypeError, ValueError) as exc:
         raise RolloutError(f"bad reward: {exc}") from None
-
-
-def _is_async(function: Callable[..., Any]) -> bool:
-    if inspect.iscoroutinefunction(function):
-        return True
-    call = getattr(type(function), "__call__", None)  # noqa: B004 - callable instances
-    return call is not None and inspect.iscoroutinefunction(call)
 
 
 def _build(

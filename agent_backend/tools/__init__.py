@@ -2,7 +2,9 @@
 
 Sits on :mod:`agent_backend.schema` (pure argument checking) and under
 ``dispatch`` and the backends. Nothing here runs a tool anywhere but
-in-process (:meth:`Tool.invoke`); nothing here opens a socket.
+in-process (:mod:`~agent_backend.tools.invoke`: the one way to run a tool's
+Python function, sync or async, for every layer above); nothing here opens a
+socket.
 """
 
 from agent_backend.tools.calls import (
@@ -22,6 +24,7 @@ from agent_backend.tools.export import (
     wire_name,
 )
 from agent_backend.tools.functions import parse_docstring, tool_from_function
+from agent_backend.tools.invoke import call_function, is_async_callable, run_prepared
 from agent_backend.tools.legacy import normalize_legacy_types
 from agent_backend.tools.registry import PreparedCall, ToolRegistry, load_tool_file
 from agent_backend.tools.tool import Tool
@@ -32,14 +35,17 @@ __all__ = [
     "Tool",
     "ToolCall",
     "ToolRegistry",
+    "call_function",
     "from_anthropic",
     "from_hermes",
     "from_mcp",
     "from_openai",
+    "is_async_callable",
     "load_tool_file",
     "normalize_legacy_types",
     "parse_docstring",
     "parse_tool_calls",
+    "run_prepared",
     "to_anthropic",
     "to_mcp",
     "to_openai",

@@ -5,9 +5,11 @@ that schema compiled once, and optionally a Python function that runs it
 in-process. Backends read ``meta`` for how to run a tool elsewhere.
 
 A :class:`Tool` is immutable and compiles its schema exactly once, at
-construction (PITFALLS 8); it must never compile per call, never run a
+construction (a validator built per call costs milliseconds, most of it
+re-checking the schema); it must never compile per call, never run a
 function with arguments that have not passed :meth:`Tool.prepare`, and never
-block the event loop with a synchronous function.
+block the event loop with a synchronous function (:mod:`~agent_backend.tools.invoke`
+runs them).
 """
 
 from __future__ import annotations
@@ -15,16 +17,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import inspect
 import re
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import anyio.to_thread
-
 from agent_backend.errors import SchemaError
 from agent_backend.schema import CompiledSchema, compile_schema
+from agent_backend.tools.invoke import run_prepared
 
 __all__ = ["EXECUTION_BLOCK", "TOOL_NAME_PATTERN", "Tool", "check_tool_name", "with_pool"]
 
@@ -129,21 +129,10 @@ class Tool:
         """Prepare ``arguments`` and run :attr:`function` with them.
 
         Coroutine functions are awaited; synchronous ones run in a worker
-        thread so they cannot block the event loop.
+        thread so they cannot block the event loop, abandoned if the caller
+        is cancelled (:func:`~agent_backend.tools.invoke.run_prepared`).
         """
-        function = self.function
-        if function is None:
-            raise TypeError(f"tool {self.name!r} has no Python function; run it through a backend")
-        prepared = self.prepare(arguments)
-        kwargs = self.bind_arguments(prepared) if self.bind_arguments else prepared
-        if _is_async_callable(function):
-            return await function(**kwargs)
-        result = await anyio.to_thread.run_sync(functools.partial(function, **kwargs))
-        if inspect.isawaitable(result):
-            # A sync wrapper that hands back an awaitable (a partial of an
-            # async function, a decorator that lost the marker).
-            return await result
-        return result
+        return await run_prepared(self, self.prepare(arguments))
 
 
 def with_pool(tool: Tool, pool: str) -> Tool:
@@ -164,12 +153,3 @@ def with_pool(tool: Tool, pool: str) -> Tool:
 
 def _rebuild(fields: dict[str, Any]) -> Tool:
     return Tool(**fields)
-
-
-def _is_async_callable(function: Callable[..., Any]) -> bool:
-    while isinstance(function, functools.partial):
-        function = function.func
-    if inspect.iscoroutinefunction(function):
-        return True
-    call = getattr(type(function), "__call__", None)  # noqa: B004 - callable instances
-    return call is not None and inspect.iscoroutinefunction(call)

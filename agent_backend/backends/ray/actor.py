@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import inspect
 import os
 import pickle
 import traceback
@@ -47,6 +46,7 @@ from agent_backend.errors import (
     clip,
 )
 from agent_backend.tools.functions import tool_from_function
+from agent_backend.tools.invoke import run_prepared
 from agent_backend.tools.tool import Tool
 
 __all__ = [
@@ -133,15 +133,6 @@ def import_function(path: str) -> Callable[..., Any]:
     return target  # type: ignore[no-any-return]
 
 
-def _is_async_callable(function: Callable[..., Any]) -> bool:
-    while isinstance(function, functools.partial):
-        function = function.func
-    if inspect.iscoroutinefunction(function):
-        return True
-    call = getattr(type(function), "__call__", None)  # noqa: B004 - callable instances
-    return call is not None and inspect.iscoroutinefunction(call)
-
-
 #: What :meth:`ToolActor.run` sends back first, always small: ``(VALUE, the result)``,
 #: ``(PAYLOAD, its PayloadInfo)`` or ``(ERROR, a portable error)``. A plain tuple, so Ray
 #: serializes a small result with msgpack rather than pickling a wrapper (the hot path).
@@ -215,21 +206,15 @@ class ToolActor:
             tool = self.tools.get(tool_name)
             if tool is None:
                 raise UnknownToolError(tool_name, available=list(self.tools))
-            function = tool.function
-            assert function is not None
             if has_payloads and isinstance(arguments, Mapping):
                 jsonable, payloads = split_payloads(arguments)
                 prepared = await restore_payloads(tool.prepare(jsonable), payloads)
             else:
                 prepared = tool.prepare(arguments)
-            kwargs = tool.bind_arguments(prepared) if tool.bind_arguments else prepared
             # Tool.invoke minus its prepare(): payload arguments were validated as stand-ins.
-            if _is_async_callable(function):
-                value = await function(**kwargs)
-            else:
-                value = await anyio.to_thread.run_sync(functools.partial(function, **kwargs))
-                if inspect.isawaitable(value):
-                    value = await value
+            # Not abandoned when cancelled: the pool keeps this actor's slot until the
+            # function really returns, so a sync tool never runs beside the next call.
+            value = await run_prepared(tool, prepared, abandon_on_cancel=False)
         except Exception as exc:
             return (ERROR, portable_error(exc, tool=tool_name)), None
         size = payload_size(value)

@@ -11,6 +11,8 @@ import pytest
 from ray_fixtures import require_ray
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.backends.ssh import SSHHostConfig
+from agent_backend.config import import_object
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
 from agent_backend.dispatch.builtin import builtin_schema_text
 from agent_backend.errors import ConfigError
@@ -139,6 +141,32 @@ def test_relative_paths_are_relative_to_the_pool_file(
     assert isinstance(config, LocalPoolConfig)
     assert config.workspace_root == str(tmp_path / "conf" / "ws")
     assert config.default_cwd == "/home/someone/x"
+
+
+def test_a_config_built_in_code_resolves_paths_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = LocalPoolConfig(workspace_root="ws")
+    assert config.workspace_root == str(tmp_path / "ws")
+    ssh = SSHHostConfig(host="a", client_keys=("keys/id", "/abs/id"))
+    assert ssh.client_keys == (str(tmp_path / "keys/id"), "/abs/id")
+
+
+def test_import_object_takes_module_colon_attribute() -> None:
+    import collections.abc
+
+    assert import_object("collections.abc:Mapping") is collections.abc.Mapping
+    assert import_object("pathlib:Path.home") == Path.home  # into a class
+    for malformed in ("collections.abc", "os:", ":path"):
+        with pytest.raises(ValueError, match="is not module:attribute"):
+            import_object(malformed)
+    with pytest.raises(ImportError, match="No module named 'no_such_module'"):
+        import_object("no_such_module:thing")
+    with pytest.raises(ImportError, match="nothing_here"):
+        import_object("os:nothing_here")
+    with pytest.raises(ImportError, match="os:path has no attribute 'nope'"):
+        import_object("os:path.nope")
 
 
 def test_pool_types_and_config_objects(tmp_path: Path) -> None:

@@ -10,22 +10,21 @@ from typing import Literal
 
 import pydantic
 
-from agent_backend.dispatch.spec import EnvName, config_path
+from agent_backend.config import ConfigModel, ConfigPath
+from agent_backend.dispatch.spec import EnvName
 
 __all__ = ["LocalPoolConfig"]
 
 
-class LocalPoolConfig(pydantic.BaseModel):
+class LocalPoolConfig(ConfigModel):
     """A pool that runs every call on this machine (``type = "local"``)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["local"] = "local"
     """Selects the local backend."""
-    workspace_root: str | None = None
+    workspace_root: ConfigPath | None = None
     """Directory in which session workspaces (and the scratch directory) are created, made if
     missing. Relative paths are relative to the pool file. None: the system temporary directory."""
-    default_cwd: str | None = None
+    default_cwd: ConfigPath | None = None
     """Working directory of commands run outside a session (it must exist). None: a private
     scratch directory made at start and removed at close, shared by all sessionless calls."""
     max_concurrent_calls: int = pydantic.Field(default=32, ge=1, le=4096)
@@ -53,8 +52,3 @@ class LocalPoolConfig(pydantic.BaseModel):
     spare_workspaces: int = pydantic.Field(default=64, ge=0, le=4096)
     """Empty workspaces kept made ahead, as many as were ever in use at once but at most this
     many, so that opening a session costs no disk operation. 0: each is made when asked for."""
-
-    @pydantic.field_validator("workspace_root", "default_cwd")
-    @classmethod
-    def _resolve_path(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
-        return None if value is None else config_path(value, info)

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Final, Literal
 
 import pydantic
 
+from agent_backend.config import ConfigModel, ImportPath
+
 __all__ = ["INLINE_FLOOR", "LocalRayConfig", "RayPoolConfig", "RayToolConfig"]
 
 #: Ray returns objects below this size inside the task reply, into the
@@ -20,7 +22,6 @@ __all__ = ["INLINE_FLOOR", "LocalRayConfig", "RayPoolConfig", "RayToolConfig"]
 #: threshold below it would put the bytes in the driver after all.
 INLINE_FLOOR: Final = 100 * 1024
 
-_IMPORT_PATH: Final = r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$"
 _RESOURCE_NAME: Final = r"^[A-Za-z_][\w.:/-]*$"
 
 
@@ -44,12 +45,10 @@ def _no_builtin_resources(value: dict[str, float]) -> dict[str, float]:
     return value
 
 
-class RayToolConfig(pydantic.BaseModel):
+class RayToolConfig(ConfigModel):
     """One tool of a Ray pool: a Python function and what it needs."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    function: str = pydantic.Field(pattern=_IMPORT_PATH)
+    function: ImportPath
     """Import path ``package.module:function`` (``module:Class.method`` for a static method),
     importable where the actors run (installed, or shipped with ``runtime_env``). Sync or async;
     its schema comes from its signature and docstring. Imported once per actor."""
@@ -76,10 +75,8 @@ def _tool_entry(value: object) -> object:
     return {"function": value} if isinstance(value, str) else value
 
 
-class LocalRayConfig(pydantic.BaseModel):
+class LocalRayConfig(ConfigModel):
     """The Ray this pool starts when it has no ``address`` (and none runs in this process)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     num_cpus: int | None = pydantic.Field(default=None, ge=1)
     """Logical CPUs of the local node; None: the machine's cores."""
@@ -95,10 +92,8 @@ class LocalRayConfig(pydantic.BaseModel):
     """Custom resources the local node advertises."""
 
 
-class RayPoolConfig(pydantic.BaseModel):
+class RayPoolConfig(ConfigModel):
     """A pool of Ray actors running Python tools (``type = "ray"``)."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     type: Literal["ray"] = "ray"
     """Selects the Ray backend."""

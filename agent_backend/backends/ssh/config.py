@@ -16,7 +16,8 @@ from typing import Any, Literal
 import asyncssh.encryption
 import pydantic
 
-from agent_backend.dispatch.spec import ENV_NAME_PATTERN, config_path
+from agent_backend.config import ConfigModel, ConfigPath
+from agent_backend.dispatch.spec import ENV_NAME_PATTERN, EnvName
 
 __all__ = [
     "ENV_NAME",
@@ -31,25 +32,23 @@ ENV_NAME = re.compile(ENV_NAME_PATTERN)
 """An environment variable name the remote shell accepts in ``export NAME=...`` (the one rule)."""
 
 
-class SSHHostSettings(pydantic.BaseModel):
+class SSHHostSettings(ConfigModel):
     """How to reach and use one SSH host; every key has a default except the host itself."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     port: int = pydantic.Field(default=22, ge=1, le=65535)
     """TCP port of the host's sshd."""
     username: str | None = None
     """Remote user. None: the local user running the pool."""
-    known_hosts: str = pydantic.Field(default="~/.ssh/known_hosts", validate_default=True)
+    known_hosts: ConfigPath = pydantic.Field(default="~/.ssh/known_hosts", validate_default=True)
     """OpenSSH known_hosts file holding the host's key. Host keys are always verified
     against it unless ``insecure_skip_host_key_check`` is true. Relative to the pool file."""
     insecure_skip_host_key_check: bool = False
     """Accept any host key (anyone on the network path can impersonate the host). Must be set
     explicitly; a WARNING is logged for every host it applies to."""
-    client_keys: tuple[str, ...] = ()
+    client_keys: tuple[ConfigPath, ...] = ()
     """Private key files to authenticate with (public-key authentication only). Empty:
     asyncssh's defaults (``~/.ssh/id_*`` and a running ssh-agent). Relative to the pool file."""
-    env: dict[str, str] = pydantic.Field(default_factory=dict)
+    env: dict[EnvName, str] = pydantic.Field(default_factory=dict)
     """Environment variables exported for every command on the host (a command's own win).
     Set by the remote shell, so sshd's AcceptEnv is not needed."""
     workspace_root: str = "/tmp/agent-backend"
@@ -101,18 +100,6 @@ class SSHHostSettings(pydantic.BaseModel):
     file_op_timeout: float = pydantic.Field(default=60.0, gt=0)
     """Seconds for one file operation (make/remove workspace, realpath, read, write, list)."""
 
-    @pydantic.field_validator("known_hosts")
-    @classmethod
-    def _resolve_known_hosts(cls, value: str, info: pydantic.ValidationInfo) -> str:
-        return config_path(value, info)
-
-    @pydantic.field_validator("client_keys")
-    @classmethod
-    def _resolve_client_keys(
-        cls, value: tuple[str, ...], info: pydantic.ValidationInfo
-    ) -> tuple[str, ...]:
-        return tuple(config_path(item, info) for item in value)
-
     @pydantic.field_validator("workspace_root", "shell")
     @classmethod
     def _absolute(cls, value: str) -> str:
@@ -131,14 +118,6 @@ class SSHHostSettings(pydantic.BaseModel):
         unknown = [name for name in value if name not in known]
         if unknown:
             raise ValueError(f"unknown cipher(s) {unknown}; known: {sorted(known)}")
-        return value
-
-    @pydantic.field_validator("env")
-    @classmethod
-    def _env_names(cls, value: dict[str, str]) -> dict[str, str]:
-        for name in value:
-            if not ENV_NAME.match(name):
-                raise ValueError(f"{name!r} is not a valid environment variable name")
         return value
 
 

@@ -195,3 +195,28 @@ def test_importing_the_client_does_not_load_aiohttp() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert loaded.stdout.strip() == "[]"
+
+
+#: What runs tools, not what talks to the daemon: a process that only uses the Client never needs them.
+TOOL_LAYERS = (
+    "agent_backend.dispatch",
+    "agent_backend.tools",
+    "agent_backend.schema",
+    "jsonschema",
+)
+
+
+@pytest.mark.xfail(
+    reason="agent_backend/__init__.py imports every layer, and agent_backend.wire takes "
+    "ToolResult from agent_backend.dispatch; both must change for this to pass",
+)
+def test_importing_the_client_does_not_load_the_layers_that_run_tools() -> None:
+    """The thin client is the wire format over aiohttp: no dispatch, tools, schema or jsonschema."""
+    code = (
+        "import sys, agent_backend.client;"
+        f"print(sorted(m for m in sys.modules if m.startswith({TOOL_LAYERS!r})))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert loaded.stdout.strip() == "[]"

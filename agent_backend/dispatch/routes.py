@@ -17,7 +17,7 @@ Each tool of its registry gets a :class:`Route` once, before its first call:
    narrows that to pools of that kind.
 
 A tool that no pool can run is a :class:`~agent_backend.errors.ConfigError`
-naming its file and the key. The ``pool`` key is read here, not by
+naming its file and the key. The ``pool`` key is not part of
 :class:`~agent_backend.dispatch.spec.ExecutionSpec`: that spec says *how* a
 tool runs, a route says *where*.
 
@@ -31,16 +31,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-import pydantic
-
 from agent_backend.dispatch.spec import (
     META_KEY,
+    POOL_KEY,
     ExecutionKind,
     ExecutionSpec,
-    config_error,
     execution_kind,
+    read_spec,
 )
-from agent_backend.errors import ConfigError, clip
+from agent_backend.errors import ConfigError
 from agent_backend.tools import Tool
 
 __all__ = [
@@ -55,9 +54,6 @@ __all__ = [
 
 #: The name of the one pool of ``Dispatcher(registry, backend)``.
 DEFAULT_POOL_NAME = "default"
-
-#: The key of the ``x-agent-backend`` block that names a tool's pool.
-POOL_KEY = "pool"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,38 +75,6 @@ class Route:
 
     pool: str | None
     kind: ExecutionKind
-
-
-def read_spec(tool: Tool) -> tuple[ExecutionSpec, str | None]:
-    """``tool``'s :class:`ExecutionSpec` and the pool its block names (None: none).
-
-    :class:`ConfigError` naming the tool's file for a malformed block.
-    """
-    where = tool.source or f"tool {tool.name!r}"
-    raw: Any = tool.meta.get(META_KEY)
-    if raw is None:
-        return ExecutionSpec(), None
-    if not isinstance(raw, Mapping):
-        raise ConfigError(
-            f"{where}: {META_KEY}: expected an object",
-            file=tool.source,
-            key=META_KEY,
-            expected="an object",
-        )
-    block = dict(raw)
-    pool = block.pop(POOL_KEY, None)
-    if pool is not None and (not isinstance(pool, str) or not pool):
-        raise ConfigError(
-            f"{where}: {META_KEY}.{POOL_KEY}: expected a pool name (got {clip(repr(pool), 60)})",
-            file=tool.source,
-            key=f"{META_KEY}.{POOL_KEY}",
-            expected="a non-empty string naming one of the dispatcher's pools",
-        )
-    try:
-        spec = ExecutionSpec.model_validate(block)
-    except pydantic.ValidationError as exc:
-        raise config_error(exc, file=where, prefix=META_KEY) from None
-    return spec, pool
 
 
 def execution_block_schema() -> dict[str, Any]:

@@ -15,7 +15,9 @@ tool, e.g. a Ray pool's Python tools; see ``Backend.hosted_tools``):
 
 Keys common to every kind: ``timeout`` (seconds), ``output_limit`` (bytes),
 ``env`` (extra environment, command and builtin ``exec`` only) and
-``backend`` (the pool kind the tool must run on).
+``backend`` (the pool kind the tool must run on). The block's ``pool`` key
+(*where* the tool runs, :mod:`agent_backend.dispatch.routes`) is read beside
+the spec by :func:`read_spec`, not into it.
 
 Also home to :func:`config_error`, which turns a pydantic ``ValidationError``
 into the one :class:`~agent_backend.errors.ConfigError` (file, dotted key,
@@ -25,26 +27,30 @@ what was expected) that every config reader here raises. Pure: no I/O.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 
 from agent_backend.errors import ConfigError, clip
-from agent_backend.tools import Tool
+from agent_backend.tools import EXECUTION_BLOCK, POOL_KEY, Tool
 
 __all__ = [
     "BUILTIN_NAMES",
     "META_KEY",
+    "POOL_KEY",
     "ExecutionKind",
     "ExecutionSpec",
     "config_error",
     "execution_kind",
     "execution_spec",
+    "read_spec",
 ]
 
-#: The key of a tool definition (``Tool.meta``) that says how the tool runs.
-META_KEY = "x-agent-backend"
+#: The key of a tool definition (``Tool.meta``) that says how the tool runs; the tools
+#: layer's name for it is ``EXECUTION_BLOCK``.
+META_KEY = EXECUTION_BLOCK
 
 BuiltinName = Literal["exec", "read_file", "write_file", "list_dir"]
 BUILTIN_NAMES: tuple[BuiltinName, ...] = ("exec", "read_file", "write_file", "list_dir")
@@ -141,24 +147,41 @@ def _expected(error: Any) -> str:
     return message
 
 
-def execution_spec(tool: Tool) -> ExecutionSpec:
-    """The :class:`ExecutionSpec` of ``tool``; :class:`ConfigError` naming its file if malformed."""
-    raw = tool.meta.get(META_KEY)
+def read_spec(tool: Tool) -> tuple[ExecutionSpec, str | None]:
+    """``tool``'s :class:`ExecutionSpec` and the pool its block names (None: none).
+
+    :class:`ConfigError` naming the tool's file for a malformed block.
+    """
+    where = tool.source or f"tool {tool.name!r}"
+    raw: Any = tool.meta.get(META_KEY)
     if raw is None:
-        return ExecutionSpec()
-    if not isinstance(raw, dict):
+        return ExecutionSpec(), None
+    if not isinstance(raw, Mapping):
         raise ConfigError(
-            f"{tool.source or tool.name}: {META_KEY}: expected an object",
+            f"{where}: {META_KEY}: expected an object",
             file=tool.source,
             key=META_KEY,
             expected="an object",
         )
+    block = dict(raw)
+    pool = block.pop(POOL_KEY, None)
+    if pool is not None and (not isinstance(pool, str) or not pool):
+        raise ConfigError(
+            f"{where}: {META_KEY}.{POOL_KEY}: expected a pool name (got {clip(repr(pool), 60)})",
+            file=tool.source,
+            key=f"{META_KEY}.{POOL_KEY}",
+            expected="a non-empty string naming one of the dispatcher's pools",
+        )
     try:
-        return ExecutionSpec.model_validate(raw)
+        spec = ExecutionSpec.model_validate(block)
     except pydantic.ValidationError as exc:
-        raise config_error(
-            exc, file=tool.source or f"tool {tool.name!r}", prefix=META_KEY
-        ) from None
+        raise config_error(exc, file=where, prefix=META_KEY) from None
+    return spec, pool
+
+
+def execution_spec(tool: Tool) -> ExecutionSpec:
+    """The :class:`ExecutionSpec` of ``tool``; :class:`ConfigError` naming its file if malformed."""
+    return read_spec(tool)[0]
 
 
 def execution_kind(tool: Tool, spec: ExecutionSpec) -> ExecutionKind:

@@ -27,9 +27,11 @@ from agent_backend.tools.functions import parse_docstring, tool_from_function
 from agent_backend.tools.invoke import call_function, is_async_callable, run_prepared
 from agent_backend.tools.legacy import normalize_legacy_types
 from agent_backend.tools.registry import PreparedCall, ToolRegistry, load_tool_file
-from agent_backend.tools.tool import Tool
+from agent_backend.tools.tool import EXECUTION_BLOCK, POOL_KEY, Tool
 
 __all__ = [
+    "EXECUTION_BLOCK",
+    "POOL_KEY",
     "CallFormat",
     "PreparedCall",
     "Tool",

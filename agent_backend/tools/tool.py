@@ -26,10 +26,19 @@ from agent_backend.errors import SchemaError
 from agent_backend.schema import CompiledSchema, compile_schema
 from agent_backend.tools.invoke import run_prepared
 
-__all__ = ["EXECUTION_BLOCK", "TOOL_NAME_PATTERN", "Tool", "check_tool_name", "with_pool"]
+__all__ = [
+    "EXECUTION_BLOCK",
+    "POOL_KEY",
+    "TOOL_NAME_PATTERN",
+    "Tool",
+    "check_tool_name",
+    "with_pool",
+]
 
 #: The block of a tool definition that says how and where the tool runs (read by dispatch).
 EXECUTION_BLOCK = "x-agent-backend"
+#: The key of :data:`EXECUTION_BLOCK` that names the dispatcher's pool running the tool.
+POOL_KEY = "pool"
 
 #: Names a tool may have: OpenAI's alphabet plus ``.`` (BFCL names such as
 #: ``math.factorial``). Exports that forbid ``.`` map it to ``_``.
@@ -141,12 +150,12 @@ def with_pool(tool: Tool, pool: str) -> Tool:
         raise SchemaError(
             f"tool {tool.name!r}: a pool name is a non-empty string",
             source=tool.source,
-            pointer=f"/{EXECUTION_BLOCK}/pool",
+            pointer=f"/{EXECUTION_BLOCK}/{POOL_KEY}",
         )
     block = tool.meta.get(EXECUTION_BLOCK)
     meta = {
         **tool.meta,
-        EXECUTION_BLOCK: {**(block if isinstance(block, Mapping) else {}), "pool": pool},
+        EXECUTION_BLOCK: {**(block if isinstance(block, Mapping) else {}), POOL_KEY: pool},
     }
     return dataclasses.replace(tool, meta=meta)
 

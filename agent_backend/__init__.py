@@ -25,7 +25,7 @@ from agent_backend.errors import (
     UnknownToolError,
     WorkerLost,
 )
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.schema import (
     CompiledSchema,
     Limits,

@@ -167,7 +167,7 @@ def prepare_command(
 
 
 def _pool_source(pool: Path | None) -> Any:
-    from agent_backend.pool import DEFAULT_POOL
+    from agent_backend.pool_file import DEFAULT_POOL
 
     return DEFAULT_POOL if pool is None else pool
 
@@ -243,7 +243,7 @@ def serve_command(
     """
     from agent_backend.daemon import DaemonServer, DaemonSettings
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool import load_pools
+    from agent_backend.pool_file import load_pools
     from agent_backend.tokens import is_loopback, load_token
 
     _logging(log_level)
@@ -292,7 +292,7 @@ def mcp_command(
     """Serve the tools over MCP on stdin/stdout (for an MCP client to launch; see docs/mcp.md)."""
     from agent_backend.dispatch import Dispatcher
     from agent_backend.mcp import serve_stdio
-    from agent_backend.pool import load_pools
+    from agent_backend.pool_file import load_pools
 
     _logging(log_level)
     try:
@@ -343,7 +343,7 @@ def call_command(
     would get.
     """
     from agent_backend.dispatch import Dispatcher, ToolResult
-    from agent_backend.pool import load_pools
+    from agent_backend.pool_file import load_pools
 
     text = sys.stdin.read() if arguments == "-" else arguments
     call = ToolCall("cli", name, text, "openai")
@@ -392,7 +392,7 @@ def pool_check_command(
     Exit status 0 when every host answered, 1 when one did not, 3 for a bad file.
     """
     from agent_backend.dispatch import Command
-    from agent_backend.pool import load_pool
+    from agent_backend.pool_file import load_pool
 
     try:
         backend = load_pool(file)

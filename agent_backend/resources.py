@@ -40,6 +40,6 @@ def data_path(relative: str) -> Path:
 #: The built-in tools' schema files (exec, read_file, write_file, list_dir): the default
 #: ``--tools-dir`` of every command.
 BUILTIN_TOOLS_DIR: Final = data_path("schemas/tools")
-#: The pool files: ``local.toml`` spells out :data:`agent_backend.pool.DEFAULT_POOL`,
+#: The pool files: ``local.toml`` spells out :data:`agent_backend.pool_file.DEFAULT_POOL`,
 #: ``ssh.example.toml`` and ``ray.example.toml`` are starting points.
 POOLS_DIR: Final = data_path("pools")

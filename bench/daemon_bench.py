@@ -52,7 +52,7 @@ from agent_backend.client import Client
 from agent_backend.daemon import DaemonServer, DaemonSettings
 from agent_backend.dispatch import Dispatcher, ToolResult
 from agent_backend.errors import AgentBackendError
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

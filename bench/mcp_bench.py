@@ -42,7 +42,7 @@ import orjson
 
 from agent_backend.daemon import DaemonServer, DaemonSettings
 from agent_backend.dispatch import Dispatcher
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
 
 TOKEN = "bench-token-" + "m" * 24

@@ -57,7 +57,7 @@ from sshd import SSHServer, generate_keys, sshd_missing_reason  # noqa: E402
 
 from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig  # noqa: E402
 from agent_backend.dispatch import Backend, Dispatcher, builtin_tools  # noqa: E402
-from agent_backend.pool import DEFAULT_POOL, load_pool  # noqa: E402
+from agent_backend.pool_file import DEFAULT_POOL, load_pool  # noqa: E402
 from agent_backend.rollout.episode import EpisodeConfig  # noqa: E402
 from agent_backend.rollout.policy import AssistantTurn  # noqa: E402
 from agent_backend.rollout.pool import RolloutPool  # noqa: E402

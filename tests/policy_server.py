@@ -50,7 +50,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from agent_backend.dispatch import Dispatcher, builtin_tools
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
 
 __all__ = [

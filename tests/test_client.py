@@ -22,7 +22,7 @@ from agent_backend.errors import (
     ToolArgumentError,
     ToolTimeout,
 )
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolCall
 from agent_backend.wire import (
     DaemonError,

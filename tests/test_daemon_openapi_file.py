@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agent_backend.daemon import DaemonSettings, create_app
 from agent_backend.dispatch import Dispatcher
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tools import ToolRegistry
 
 FILE = Path(__file__).resolve().parents[1] / "schemas" / "wire" / "daemon-openapi.json"

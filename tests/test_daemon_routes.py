@@ -10,7 +10,7 @@ from daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, make_registry, 
 
 from agent_backend.daemon import DaemonSettings, create_app
 from agent_backend.dispatch import Dispatcher
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 
 
 def test_liveness_needs_no_token(daemon: Daemon) -> None:

@@ -15,7 +15,7 @@ from daemon_fixtures import OTHER_TOKEN, TALLY, TOKEN, Daemon, daemon_fixture, s
 from agent_backend.daemon import DaemonServer, DaemonSettings, is_loopback, load_token
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import ConfigError
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.tokens import find_token
 from agent_backend.tools import ToolRegistry
 

@@ -35,7 +35,7 @@ from agent_backend.dispatch import (
     route,
 )
 from agent_backend.errors import BackendError, BackendUnavailable, ConfigError
-from agent_backend.pool import PoolSetConfig
+from agent_backend.pool_file import PoolSetConfig
 from agent_backend.tools import Tool, ToolRegistry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]

@@ -16,7 +16,7 @@ from agent_backend.config import import_object
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
 from agent_backend.dispatch.builtin import builtin_schema_text
 from agent_backend.errors import ConfigError
-from agent_backend.pool import (
+from agent_backend.pool_file import (
     DEFAULT_POOL,
     POOL_TYPES,
     PoolSet,
@@ -186,7 +186,7 @@ def test_a_local_pool_file_does_not_import_the_other_backends(tmp_path: Path) ->
     import subprocess
 
     code = (
-        "import sys; from agent_backend.pool import load_pool; "
+        "import sys; from agent_backend.pool_file import load_pool; "
         f"load_pool({str(LOCAL_TOML)!r}); "
         "print(sorted(m for m in ('asyncssh', 'ray') if m in sys.modules))"
     )

@@ -27,7 +27,7 @@ from sshd import SSHServer
 
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import NonFiniteLogprobs, RolloutError
-from agent_backend.pool import DEFAULT_POOL, load_pool
+from agent_backend.pool_file import DEFAULT_POOL, load_pool
 from agent_backend.rollout.episode import EpisodeConfig
 from agent_backend.rollout.ledger import ResumeLedger
 from agent_backend.rollout.policy import OpenAICompatiblePolicy

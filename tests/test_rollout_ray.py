@@ -28,7 +28,7 @@ ray = require_ray()
 
 from agent_backend.backends.ray import RayPoolConfig  # noqa: E402
 from agent_backend.errors import BackendUnavailable, RolloutError  # noqa: E402
-from agent_backend.pool import DEFAULT_POOL  # noqa: E402
+from agent_backend.pool_file import DEFAULT_POOL  # noqa: E402
 from agent_backend.rollout.episode import EpisodeConfig, ToolReward  # noqa: E402
 from agent_backend.rollout.ledger import ResumeLedger  # noqa: E402
 from agent_backend.rollout.pool import RolloutPool  # noqa: E402

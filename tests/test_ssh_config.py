@@ -22,7 +22,7 @@ from agent_backend.errors import (
     PoolClosed,
     WorkerLost,
 )
-from agent_backend.pool import load_pool_config, pool_config_from_dict
+from agent_backend.pool_file import load_pool_config, pool_config_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "pools" / "ssh.example.toml"

@@ -182,7 +182,7 @@ def test_the_wheel_carries_the_tool_schemas_and_pool_files(installed: Installed)
 def test_the_installed_package_is_imported_not_the_repository(installed: Installed) -> None:
     code = (
         "import json, sys, agent_backend, agent_backend.resources as r\n"
-        "from agent_backend.pool import DEFAULT_POOL, load_pool_config\n"
+        "from agent_backend.pool_file import DEFAULT_POOL, load_pool_config\n"
         "print(json.dumps({'package': agent_backend.__file__, 'tools': str(r.BUILTIN_TOOLS_DIR),\n"
         "    'local_toml_is_default': load_pool_config(r.POOLS_DIR / 'local.toml') == DEFAULT_POOL,\n"
         "    'path': sys.path}))\n"

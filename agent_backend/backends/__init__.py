@@ -8,6 +8,6 @@
 * ``ray`` (:mod:`agent_backend.backends.ray`): tools as Ray actors, GPUs included, results by
   reference.
 
-Load one from a pool file with :func:`agent_backend.pool.load_pool`; each backend's module says
+Load one from a pool file with :func:`agent_backend.pool_file.load_pool`; each backend's module says
 what it guarantees.
 """

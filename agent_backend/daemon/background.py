@@ -23,7 +23,7 @@ import anyio
 from agent_backend.daemon.server import DaemonServer
 from agent_backend.daemon.settings import DaemonSettings
 from agent_backend.dispatch import Dispatcher
-from agent_backend.pool import DEFAULT_POOL, load_pools
+from agent_backend.pool_file import DEFAULT_POOL, load_pools
 from agent_backend.tools import ToolRegistry
 
 __all__ = ["BackgroundDaemon", "run_in_thread"]

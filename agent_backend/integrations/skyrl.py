@@ -57,7 +57,7 @@ from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import PolicyError, RolloutError
 from agent_backend.lifecycle import AsyncResource
-from agent_backend.pool import PoolConfig
+from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
     ChatTemplate,
     EpisodeConfig,

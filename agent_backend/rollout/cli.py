@@ -203,7 +203,7 @@ def rollout_command(
     interrupted.
     """
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool import DEFAULT_POOL, PoolSetConfig, load_pools, load_pools_config
+    from agent_backend.pool_file import DEFAULT_POOL, PoolSetConfig, load_pools, load_pools_config
     from agent_backend.rollout.episode import EpisodeConfig, RewardFunction, ToolReward
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool

@@ -135,7 +135,7 @@ class RolloutWorker:
         await anyio.Event().wait()
 
     async def _hold(self) -> None:
-        from agent_backend.pool import load_pool
+        from agent_backend.pool_file import load_pool
         from agent_backend.rollout.tokens import open_policy
 
         assert self._ready is not None
@@ -285,7 +285,7 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
         episode: EpisodeConfig | None = None,
         reward: RewardFunction | None = None,
     ) -> None:
-        from agent_backend.pool import DEFAULT_POOL
+        from agent_backend.pool_file import DEFAULT_POOL
 
         if not isinstance(config, RayPoolConfig):
             raise TypeError(f"a Ray pool config, not {type(config).__name__}")

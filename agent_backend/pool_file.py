@@ -78,7 +78,7 @@ __all__ = [
     "pool_set_config_from_dict",
 ]
 
-logger = logging.getLogger("agent_backend.pool")
+logger = logging.getLogger("agent_backend.pool_file")
 
 #: The embedded default: a local pool with every default (what ``pools/local.toml`` says).
 DEFAULT_POOL = LocalPoolConfig()

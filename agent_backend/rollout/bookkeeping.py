@@ -73,57 +73,44 @@ class RolloutStatistics:
 
 @dataclasses.dataclass(slots=True)
 class Tally:
-    """The pool's running counts (what :class:`RolloutStatistics` reports)."""
+    """The pool's running counts, named as :class:`RolloutStatistics` reports them."""
 
-    running: int = 0
-    done: int = 0
-    failed: int = 0
-    delivered: int = 0
-    dropped: int = 0
+    episodes_done: int = 0
+    episodes_failed: int = 0
+    episodes_running: int = 0
+    groups_delivered: int = 0
+    groups_dropped: int = 0
     groups_failed: int = 0
     rollouts_dropped: int = 0
     turns: int = 0
     tool_calls: int = 0
     tool_failures: int = 0
     stop_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
-    rewrites: int = 0
-    split: int = 0
+    history_rewrites: int = 0
+    episodes_split: int = 0
 
     def count(self, summary: EpisodeSummary) -> None:
         """An episode ended."""
-        self.done += 1
+        self.episodes_done += 1
         self.turns += summary.num_turns
         self.tool_calls += summary.tool_calls
         self.tool_failures += summary.tool_failures
         self.stop_reasons[summary.stop_reason] += 1
         if summary.history_rewrites:
-            self.rewrites += summary.history_rewrites
-            self.split += 1
+            self.history_rewrites += summary.history_rewrites
+            self.episodes_split += 1
         if summary.stop_reason in FAILED_STOP_REASONS:
-            self.failed += 1
+            self.episodes_failed += 1
         if summary.dropped:
             self.rollouts_dropped += 1
 
     def statistics(
         self, *, elapsed: float, non_finite: NonFiniteStats, policy_version: int
     ) -> RolloutStatistics:
+        counts = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        counts["stop_reasons"] = dict(self.stop_reasons)
         return RolloutStatistics(
-            episodes_done=self.done,
-            episodes_failed=self.failed,
-            episodes_running=self.running,
-            groups_delivered=self.delivered,
-            groups_dropped=self.dropped,
-            groups_failed=self.groups_failed,
-            rollouts_dropped=self.rollouts_dropped,
-            turns=self.turns,
-            tool_calls=self.tool_calls,
-            tool_failures=self.tool_failures,
-            elapsed=elapsed,
-            stop_reasons=dict(self.stop_reasons),
-            non_finite=non_finite,
-            policy_version=policy_version,
-            history_rewrites=self.rewrites,
-            episodes_split=self.split,
+            **counts, elapsed=elapsed, non_finite=non_finite, policy_version=policy_version
         )
 
 

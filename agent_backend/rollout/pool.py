@@ -224,9 +224,10 @@ class RolloutPool(AsyncResource):
         state = " closed" if self._closed else (" running" if self._active else "")
         t = self._tally
         return (
-            f"<RolloutPool n={self.n} [episodes: {t.running} running, {t.done} done,"
-            f" {t.failed} failed | groups: {t.delivered} delivered,"
-            f" {t.dropped} dropped] version={self._version}{state}>"
+            f"<RolloutPool n={self.n} [episodes: {t.episodes_running} running,"
+            f" {t.episodes_done} done, {t.episodes_failed} failed | groups:"
+            f" {t.groups_delivered} delivered, {t.groups_dropped} dropped]"
+            f" version={self._version}{state}>"
         )
 
     async def aclose(self) -> None:
@@ -272,7 +273,7 @@ class RolloutPool(AsyncResource):
             sample_idx=sample,
         )
         async with self._limiter:
-            self._tally.running += 1
+            self._tally.episodes_running += 1
             try:
                 episode = await self.runner.run(
                     prompt,
@@ -281,7 +282,7 @@ class RolloutPool(AsyncResource):
                     by_reference=run.by_reference,
                 )
             finally:
-                self._tally.running -= 1
+                self._tally.episodes_running -= 1
         self._tally.count(episode.summary)
         return episode
 
@@ -409,12 +410,12 @@ class RolloutPool(AsyncResource):
             records: list[Trajectory] = []
             if reason is not None:
                 ledger.mark_dropped(group.index, reason)
-                self._tally.dropped += 1
+                self._tally.groups_dropped += 1
             else:
                 records = group.deliverable()
                 await anyio.to_thread.run_sync(writer.write_group, records)
                 ledger.mark_trained([group.index])
-                self._tally.delivered += 1
+                self._tally.groups_delivered += 1
             # Shielded: a group written and marked is also checkpointed, even on Ctrl-C
             # (a few milliseconds; otherwise it would be cut from the file and redone).
             with anyio.CancelScope(shield=True):
@@ -598,7 +599,7 @@ class RolloutStream(Generic[_Item]):
         """The trainer took the last batch: mark its prompts trained."""
         if self._taken:
             self.ledger.mark_trained(self._taken)
-            self._pool._tally.delivered += len(self._taken)
+            self._pool._tally.groups_delivered += len(self._taken)
             self._taken = []
 
     async def __anext__(self) -> list[_Item]:
@@ -617,7 +618,7 @@ class RolloutStream(Generic[_Item]):
             reason = pool._drop_reason(group)
             if reason is not None:
                 self.ledger.mark_dropped(group.index, reason)
-                pool._tally.dropped += 1
+                pool._tally.groups_dropped += 1
                 continue
             groups.append(group)
         if not groups:

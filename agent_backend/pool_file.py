@@ -15,7 +15,8 @@ its third-party imports: asyncssh, ray) is imported only when a file names
 it. Unknown keys are refused, and a bad file fails here, at load, with a
 :class:`~agent_backend.errors.ConfigError` naming the file, the dotted key
 and what was expected. Relative paths in a pool file are relative to the
-file's directory.
+file's directory (every config is a :class:`~agent_backend.config.ConfigModel`,
+its paths :data:`~agent_backend.config.ConfigPath` fields).
 
 :data:`DEFAULT_POOL` is the local pool with every default, as a config
 object, so an installed package needs no data file for it; ``pools/local.toml``
@@ -36,7 +37,6 @@ This module reads files and builds objects; it must never start a backend
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import os
 import re
@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import anyio
 import pydantic
 
-from agent_backend.backends.local import LocalPoolConfig
+from agent_backend.backends.local_config import LocalPoolConfig
+from agent_backend.config import config_context, import_object
 from agent_backend.dispatch import DEFAULT_POOL_NAME
 from agent_backend.dispatch.backend import Backend
 from agent_backend.dispatch.spec import config_error
@@ -83,21 +84,18 @@ logger = logging.getLogger("agent_backend.pool_file")
 #: The embedded default: a local pool with every default (what ``pools/local.toml`` says).
 DEFAULT_POOL = LocalPoolConfig()
 
-# type -> (module, config class, backend class): imported on first use.
-_KINDS: dict[str, tuple[str, str, str]] = {
-    "local": ("agent_backend.backends.local", "LocalPoolConfig", "LocalBackend"),
-    "ssh": ("agent_backend.backends.ssh", "SSHPoolConfig", "SSHBackend"),
-    "ray": ("agent_backend.backends.ray", "RayPoolConfig", "RayBackend"),
+# type -> (config class, backend class): each imported when first needed.
+_KINDS: dict[str, tuple[str, str]] = {
+    "local": (
+        "agent_backend.backends.local_config:LocalPoolConfig",
+        "agent_backend.backends.local:LocalBackend",
+    ),
+    "ssh": ("agent_backend.backends.ssh:SSHPoolConfig", "agent_backend.backends.ssh:SSHBackend"),
+    "ray": ("agent_backend.backends.ray:RayPoolConfig", "agent_backend.backends.ray:RayBackend"),
 }
 
 #: Every pool ``type`` a file may name.
 POOL_TYPES: tuple[str, ...] = tuple(_KINDS)
-
-
-def _kind(tag: str) -> tuple[Any, Any]:
-    module_name, config_name, backend_name = _KINDS[tag]
-    module = importlib.import_module(module_name)
-    return getattr(module, config_name), getattr(module, backend_name)
 
 
 def pool_config_from_dict(
@@ -123,10 +121,9 @@ def pool_config_from_dict(
             key="type",
             expected=f"one of {expected_types}",
         )
-    config_class, _backend = _kind(tag)
-    context = {"config_dir": os.fspath(config_dir)} if config_dir is not None else None
+    config_class = import_object(_KINDS[tag][0])
     try:
-        config: PoolConfig = config_class.model_validate(data, context=context)
+        config: PoolConfig = config_class.model_validate(data, context=config_context(config_dir))
     except pydantic.ValidationError as exc:
         raise config_error(exc, file=file) from None
     return config
@@ -159,9 +156,9 @@ def pool_from_config(config: PoolConfig) -> Backend:
     """The (not yet started) backend for a pool config."""
     tag = getattr(config, "type", None)
     if isinstance(tag, str) and tag in _KINDS:
-        config_class, backend_class = _kind(tag)
-        if isinstance(config, config_class):
-            backend: Backend = backend_class.from_config(config)
+        config_class, backend_class = _KINDS[tag]
+        if isinstance(config, import_object(config_class)):
+            backend: Backend = import_object(backend_class).from_config(config)
             return backend
     raise TypeError(f"not a pool config: {type(config).__name__}")
 

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import logging
 import numbers
 import os
@@ -60,6 +59,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
+from agent_backend.config import import_object
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import PolicyError
 from agent_backend.rollout import (
@@ -258,7 +258,7 @@ class ToolsSpec:
     def build_registry(self) -> ToolRegistry:
         """The registry: ``registry``'s (else the built-in tools), with ``tools_dir`` loaded."""
         if self.registry is not None:
-            found = _import_object(self.registry)
+            found = import_object(self.registry)
             made = found() if callable(found) and not isinstance(found, ToolRegistry) else found
             if not isinstance(made, ToolRegistry):
                 raise TypeError(
@@ -338,16 +338,6 @@ async def close_dispatchers() -> None:
 
 
 # -- the agent loop --------------------------------------------------------------------------------
-
-
-def _import_object(spec: str) -> Any:
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"{spec!r} is not module:attribute")
-    value: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _plain(value: Any) -> Any:
@@ -522,7 +512,7 @@ class AgentBackendAgentLoop(AgentLoopBase):
         if reward_command is not None:
             self.reward = ToolReward(("exec", {"command": str(reward_command)}))
         elif reward is not None:
-            self.reward = _import_object(reward)
+            self.reward = import_object(reward)
         if non_finite not in ("mask", "drop", "fail"):
             raise ValueError(f"non_finite must be mask, drop or fail, not {non_finite!r}")
         self.non_finite: NonFinitePolicy = non_finite

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib
 import logging
 import signal
 import sys
@@ -38,6 +37,7 @@ import anyio
 import orjson
 import typer
 
+from agent_backend.config import import_object
 from agent_backend.errors import AgentBackendError
 from agent_backend.resources import BUILTIN_TOOLS_DIR
 
@@ -84,12 +84,12 @@ def _fail(message: str, code: int) -> NoReturn:
 
 
 def _import_reward(spec: str) -> Any:
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"--reward takes module:function, got {spec!r}")
+    # From the working directory too, as `python -m` would: `--reward myreward:score`.
     sys.path.insert(0, str(Path.cwd()))
     try:
-        function = getattr(importlib.import_module(module_name), attribute)
+        function = import_object(spec)
+    except (ValueError, ImportError) as exc:
+        raise ValueError(f"--reward takes module:function: {exc}") from None
     finally:
         sys.path.pop(0)
     if not callable(function):

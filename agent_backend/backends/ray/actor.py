@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import os
 import pickle
 import traceback
@@ -38,6 +37,7 @@ from agent_backend.backends.ray.payload import (
     restore_payloads,
     split_payloads,
 )
+from agent_backend.config import import_object
 from agent_backend.errors import (
     AgentBackendError,
     ConfigError,
@@ -124,10 +124,7 @@ def portable_error(exc: Exception, *, tool: str | None) -> AgentBackendError:
 
 def import_function(path: str) -> Callable[..., Any]:
     """``package.module:function`` (or ``module:Class.method``), imported."""
-    module_name, _, attributes = path.partition(":")
-    target: Any = importlib.import_module(module_name)
-    for attribute in attributes.split("."):
-        target = getattr(target, attribute)
+    target = import_object(path)
     if not callable(target):
         raise TypeError(f"{path} is a {type(target).__name__}, not a function")
     return target  # type: ignore[no-any-return]

@@ -15,6 +15,12 @@ file tools from wandering; it is not a sandbox (``exec`` runs as the host's
 user). Outside a session there is no workspace, and file tools answer with a
 ``NoWorkspace`` error result.
 
+``exec`` is a command like a command tool's: :func:`exec_command` reads its
+arguments into the :class:`~agent_backend.dispatch.backend.Command`, and the
+dispatcher runs it and builds its result the one way it does for every
+command (:func:`agent_backend.dispatch.running.run_on_host`). The file tools
+run here (:func:`run_file_tool`).
+
 This module must never touch a path it has not checked, and never return
 more than the output bound.
 """
@@ -25,6 +31,7 @@ import copy
 import dataclasses
 import os
 import posixpath
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,17 +39,18 @@ import orjson
 
 from agent_backend.dispatch.backend import Command, DirEntry, Host
 from agent_backend.dispatch.output import head_tail
-from agent_backend.dispatch.result import ToolResult, command_result
+from agent_backend.dispatch.result import ToolResult
 from agent_backend.dispatch.spec import ENV_NAME_PATTERN
 from agent_backend.errors import AgentBackendError, PathOutsideWorkspace, ToolArgumentError, clip
 from agent_backend.tools import Tool, tool_from_definition
 
 __all__ = [
     "BUILTIN_DEFINITIONS",
-    "BuiltinContext",
+    "FileToolContext",
     "builtin_tools",
+    "exec_command",
     "resolve_in_workspace",
-    "run_builtin",
+    "run_file_tool",
     "write_builtin_schemas",
 ]
 
@@ -212,8 +220,8 @@ def write_builtin_schemas(directory: str | os.PathLike[str]) -> list[Path]:
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class BuiltinContext:
-    """Where and how a built-in runs: decided by the dispatcher for one call."""
+class FileToolContext:
+    """Where and how a file tool runs: decided by the dispatcher for one call."""
 
     call_id: str
     tool: str
@@ -221,18 +229,17 @@ class BuiltinContext:
     workspace: str | None
     """The session workspace's real path; None outside a session."""
     timeout: float
-    """Seconds the call may take (for ``exec``, already including its own ``timeout``)."""
+    """Seconds the call may take."""
     output_limit: int
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def _failure(ctx: BuiltinContext, error: str, error_type: str) -> ToolResult:
+def _failure(ctx: FileToolContext, error: str, error_type: str) -> ToolResult:
     return ToolResult.failure(
         call_id=ctx.call_id, tool=ctx.tool, error=error, error_type=error_type, host=ctx.host.name
     )
 
 
-def _success(ctx: BuiltinContext, output: str, *, truncated: bool, size: int) -> ToolResult:
+def _success(ctx: FileToolContext, output: str, *, truncated: bool, size: int) -> ToolResult:
     return ToolResult(
         call_id=ctx.call_id,
         tool=ctx.tool,
@@ -259,13 +266,44 @@ async def resolve_in_workspace(host: Host, workspace: str, path: str) -> str:
     return resolved
 
 
-async def run_builtin(name: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
-    """Run built-in ``name`` with prepared ``arguments``; model-caused problems are results.
+def exec_command(
+    arguments: dict[str, Any],
+    *,
+    tool: str,
+    cwd: str | None,
+    env: Mapping[str, str],
+    timeout: float,
+    output_limit: int,
+) -> Command:
+    """The :class:`Command` of a call of ``exec`` (named ``tool``) with prepared ``arguments``.
+
+    ``env`` is the tool's, under the call's own. :class:`ToolArgumentError`
+    unless exactly one of ``command`` and ``argv`` is given.
+    """
+    command_line = arguments.get("command")
+    argv = arguments.get("argv")
+    if (command_line is None) == (argv is None):
+        raise ToolArgumentError(
+            "give exactly one of 'command' (a shell command line) and 'argv' (a list)",
+            tool=tool,
+        )
+    stdin = arguments.get("stdin")
+    return Command(
+        argv=tuple(argv) if argv is not None else None,
+        shell=command_line,
+        cwd=cwd,
+        env={**env, **arguments.get("env", {})},
+        stdin=stdin.encode() if stdin is not None else None,
+        timeout=timeout,
+        output_limit=output_limit,
+    )
+
+
+async def run_file_tool(name: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
+    """Run file tool ``name`` with prepared ``arguments``; model-caused problems are results.
 
     Raises only what the host raises for infrastructure failures.
     """
-    if name == "exec":
-        return await _exec(arguments, ctx)
     if ctx.workspace is None:
         return _failure(
             ctx,
@@ -289,40 +327,10 @@ async def run_builtin(name: str, arguments: dict[str, Any], ctx: BuiltinContext)
         shown = arguments.get("path", ".")
         reason = exc.strerror or str(exc)
         return _failure(ctx, f"{clip(shown, 200)}: {reason}", "FileError")
-    raise ValueError(f"no built-in tool {name!r}")
+    raise ValueError(f"no file tool {name!r}")
 
 
-async def _exec(arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
-    command_line = arguments.get("command")
-    argv = arguments.get("argv")
-    if (command_line is None) == (argv is None):
-        error = ToolArgumentError(
-            "give exactly one of 'command' (a shell command line) and 'argv' (a list)",
-            tool=ctx.tool,
-        )
-        return ToolResult.from_error(error, call_id=ctx.call_id, tool=ctx.tool)
-    stdin = arguments.get("stdin")
-    command = Command(
-        argv=tuple(argv) if argv is not None else None,
-        shell=command_line,
-        cwd=ctx.workspace,
-        env={**ctx.env, **arguments.get("env", {})},
-        stdin=stdin.encode() if stdin is not None else None,
-        timeout=ctx.timeout,
-        output_limit=ctx.output_limit,
-    )
-    result = await ctx.host.run(command)
-    return command_result(
-        result,
-        call_id=ctx.call_id,
-        tool=ctx.tool,
-        timeout=ctx.timeout,
-        limit=ctx.output_limit,
-        captured_limit=ctx.output_limit,
-    )
-
-
-async def _read_file(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+async def _read_file(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
     offset: int = arguments.get("offset", 0)
     limit = min(arguments.get("limit", ctx.output_limit), ctx.output_limit)
     data = await ctx.host.read_file(path, limit=offset + limit)
@@ -340,7 +348,7 @@ async def _read_file(path: str, arguments: dict[str, Any], ctx: BuiltinContext) 
     return _success(ctx, text, truncated=partial, size=data.size)
 
 
-async def _write_file(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+async def _write_file(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
     content: str = arguments["content"]
     data = content.encode()
     try:
@@ -370,7 +378,7 @@ def _render_entry(entry: DirEntry) -> str:
     return f"{entry.name}?"
 
 
-async def _list_dir(path: str, arguments: dict[str, Any], ctx: BuiltinContext) -> ToolResult:
+async def _list_dir(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
     entries = await ctx.host.list_dir(path)
     text = "\n".join(_render_entry(entry) for entry in entries) if entries else "(empty)"
     raw = text.encode()

@@ -54,7 +54,7 @@ from agent_backend.dispatch.backend import Backend, Host
 from agent_backend.dispatch.leases import LeaseTable
 from agent_backend.dispatch.result import ToolResult
 from agent_backend.dispatch.routes import DEFAULT_POOL_NAME, PoolShape, Route, read_spec, route
-from agent_backend.dispatch.running import gather, run_function, run_hosted, run_on_host
+from agent_backend.dispatch.running import Job, gather, run_function, run_hosted, run_on_host
 from agent_backend.dispatch.spec import ExecutionSpec
 from agent_backend.dispatch.workspaces import SessionWorkspaces, in_pool
 from agent_backend.errors import (
@@ -383,7 +383,7 @@ class Dispatcher:
         if session is not None:
             self._check_own(session)
             return await session.call(call, timeout=timeout)
-        return await self._dispatch(as_tool_call(call), call_timeout=timeout, session=None)
+        return await self._dispatch(as_tool_call(call), timeout=timeout, session=None)
 
     async def call_many(
         self,
@@ -404,7 +404,7 @@ class Dispatcher:
         items = [as_tool_call(call, index) for index, call in enumerate(calls)]
         return await gather(
             [
-                functools.partial(self._dispatch, item, call_timeout=timeout, session=None)
+                functools.partial(self._dispatch, item, timeout=timeout, session=None)
                 for item in items
             ]
         )
@@ -424,17 +424,21 @@ class Dispatcher:
         return plan
 
     def _timeout(self, plan: _Plan, arguments: dict[str, Any], timeout: float | None) -> float:
+        """The call's timeout: the caller's, else the tool's, else the default; ``exec``'s own
+        ``timeout`` argument may choose, up to the caller's or ``max_timeout``."""
         if timeout is not None and not timeout > 0:
             raise ValueError("timeout must be positive")
-        base = timeout or plan.spec.timeout or self.default_timeout
         asked = arguments.get("timeout") if plan.spec.builtin == "exec" else None
         if isinstance(asked, (int, float)) and math.isfinite(asked) and asked > 0:
-            # The model may choose its own timeout, up to the caller's or max_timeout.
             return float(min(asked, timeout or self.max_timeout))
-        return base
+        return timeout or plan.spec.timeout or self.default_timeout
 
     async def _dispatch(
-        self, call: ToolCall, *, call_timeout: float | None, session: Session | None
+        self,
+        call: ToolCall,
+        *,
+        timeout: float | None,  # noqa: ASYNC109 - the tool's limit, as in call()
+        session: Session | None,
     ) -> ToolResult:
         self._check_usable()
         started = time.monotonic()
@@ -451,28 +455,22 @@ class Dispatcher:
                 return ToolResult.from_error(
                     exc, call_id=call.id, tool=call.name, duration=time.monotonic() - started
                 )
-            limit = plan.spec.output_limit or self.output_limit
-            seconds = self._timeout(plan, arguments, call_timeout)
+            job = Job(
+                call,
+                tool,
+                arguments,
+                self._timeout(plan, arguments, timeout),
+                plan.spec.output_limit or self.output_limit,
+            )
             if plan.route.kind == "function":
-                result = await run_function(tool, arguments, call, seconds, limit)
+                result = await run_function(job)
             else:
-                result = await self._run_in_pool(
-                    plan, tool, arguments, call, seconds, limit, session
-                )
+                result = await self._run_in_pool(job, plan, session)
             return result.model_copy(update={"duration": time.monotonic() - started})
         finally:
             self._in_flight -= 1
 
-    async def _run_in_pool(
-        self,
-        plan: _Plan,
-        tool: Tool,
-        arguments: Any,
-        call: ToolCall,
-        seconds: float,
-        limit: int,
-        session: Session | None,
-    ) -> ToolResult:
+    async def _run_in_pool(self, job: Job, plan: _Plan, session: Session | None) -> ToolResult:
         name = plan.route.pool
         assert name is not None  # routes: only a function runs outside a pool
         backend = self.pools[name]
@@ -487,18 +485,16 @@ class Dispatcher:
                     host = backend.pick_host()
         where = backend.kind if host is None else host.name
         with in_pool(name, backend):
-            with anyio.move_on_after(seconds + self.backstop_grace) as backstop:
+            with anyio.move_on_after(job.timeout + self.backstop_grace) as backstop:
                 if host is None:
-                    result = await run_hosted(backend, tool, arguments, call, seconds, limit)
+                    result = await run_hosted(backend, job)
                 else:
-                    result = await run_on_host(
-                        plan.spec, arguments, call, host, workspace, seconds, limit
-                    )
+                    result = await run_on_host(job, plan.spec, host, workspace)
             if backstop.cancelled_caught:
                 raise ToolTimeout(
-                    f"tool {call.name!r} on {where}: the backend did not return within "
-                    f"{seconds:g} s + {self.backstop_grace:g} s grace",
-                    timeout=seconds,
+                    f"tool {job.call.name!r} on {where}: the backend did not return within "
+                    f"{job.timeout:g} s + {self.backstop_grace:g} s grace",
+                    timeout=job.timeout,
                     backend=backend.kind,
                     host=where,
                 )
@@ -648,7 +644,11 @@ class Session(AsyncResource):
         items = [as_tool_call(call, index) for index, call in enumerate(calls)]
         return await gather([functools.partial(self._call, item, timeout) for item in items])
 
-    async def _call(self, call: ToolCall, call_timeout: float | None) -> ToolResult:
+    async def _call(
+        self,
+        call: ToolCall,
+        timeout: float | None,  # noqa: ASYNC109 - the tool's limit, as in Dispatcher.call
+    ) -> ToolResult:
         if self._state != "open":
             raise self._refusal()
         owner = object()
@@ -657,9 +657,7 @@ class Session(AsyncResource):
             with anyio.CancelScope() as scope:
                 self._calls.add(scope)
                 try:
-                    return await self.dispatcher._dispatch(
-                        call, call_timeout=call_timeout, session=self
-                    )
+                    return await self.dispatcher._dispatch(call, timeout=timeout, session=self)
                 finally:
                     self._calls.discard(scope)
                     if not self._calls and self._calls_done is not None:

@@ -1,12 +1,17 @@
 """Run one prepared call where its route says, and turn what it gave into a :class:`ToolResult`.
 
 The steps of :class:`~agent_backend.dispatch.Dispatcher` that do not depend
-on its sessions or pools: a Python function in this process (through the
-tools layer's one function runner, which abandons a sync function's thread
-at the timeout), a built-in or
-a command on a host, a tool a pool's workers host; and a batch of calls run
-concurrently. What the model caused is a result; what the infrastructure
-caused is raised.
+on its sessions or pools, each given a :class:`Job` (one call, checked and
+bounded): a Python function in this process (:func:`run_function`, through
+the tools layer's one function runner), a built-in or a command on a host
+(:func:`run_on_host`), a tool a pool's workers host (:func:`run_hosted`);
+and a batch of calls run concurrently (:func:`gather`). What the model
+caused is a result; what the infrastructure caused is raised.
+
+``exec`` and command tools take one path: their
+:class:`~agent_backend.dispatch.backend.Command` (``exec``'s read from its
+arguments, a command tool's from its spec, the arguments as JSON on stdin),
+run on the host, and one :func:`~agent_backend.dispatch.result.command_result`.
 
 This module must never run arguments that did not pass the tool's schema
 (the caller prepares them), nor write a non-finite number into JSON.
@@ -14,6 +19,7 @@ This module must never run arguments that did not pass the tool's schema
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -23,16 +29,55 @@ import orjson
 import pydantic_core
 
 from agent_backend.dispatch.backend import Backend, Command, Host, HostedResult
-from agent_backend.dispatch.builtin import BuiltinContext, run_builtin
+from agent_backend.dispatch.builtin import FileToolContext, exec_command, run_file_tool
 from agent_backend.dispatch.output import head_tail
 from agent_backend.dispatch.result import ToolResult, command_result
 from agent_backend.dispatch.spec import ExecutionSpec
-from agent_backend.errors import AgentBackendError, ModelFacingError, ToolFailed, ToolTimeout
+from agent_backend.errors import (
+    AgentBackendError,
+    ModelFacingError,
+    ToolArgumentError,
+    ToolFailed,
+    ToolTimeout,
+)
 from agent_backend.tools import Tool, ToolCall, run_prepared
 
-__all__ = ["gather", "run_function", "run_hosted", "run_on_host"]
+__all__ = [
+    "Job",
+    "gather",
+    "run_function",
+    "run_hosted",
+    "run_on_host",
+]
 
 logger = logging.getLogger("agent_backend.dispatch")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Job:
+    """One call, ready to run: its tool, its arguments and its bounds."""
+
+    call: ToolCall
+    tool: Tool
+    arguments: Any
+    """Passed the tool's schema; a hosted tool's as the call gave them (its worker checks them)."""
+    timeout: float
+    """Seconds the call may take, enforced where it runs."""
+    output_limit: int
+    """Bytes of output kept for the model."""
+
+    def failure(self, error: str, error_type: str, *, host: str | None = None) -> ToolResult:
+        return ToolResult.failure(
+            call_id=self.call.id, tool=self.call.name, error=error, error_type=error_type, host=host
+        )
+
+    def stopped(self, *, host: str | None = None) -> ToolResult:
+        """The result of a tool stopped at its timeout."""
+        return self.failure(
+            f"the tool did not finish within {self.timeout:g} s and was stopped",
+            "Timeout",
+            host=host,
+        )
 
 
 def _jsonable(value: Any) -> bytes:
@@ -40,116 +85,107 @@ def _jsonable(value: Any) -> bytes:
     return pydantic_core.to_json(value, fallback=repr, inf_nan_mode="strings")
 
 
-async def run_on_host(
-    spec: ExecutionSpec,
-    arguments: dict[str, Any],
-    call: ToolCall,
-    host: Host,
-    workspace: str | None,
-    seconds: float,
-    limit: int,
-) -> ToolResult:
-    if spec.builtin is not None:
-        context = BuiltinContext(
-            call_id=call.id,
-            tool=call.name,
-            host=host,
-            workspace=workspace,
-            timeout=seconds,
-            output_limit=limit,
-            env=dict(spec.env),
+def _command(job: Job, spec: ExecutionSpec, workspace: str | None) -> Command:
+    """``exec``'s command from its arguments; a command tool's from its spec."""
+    if spec.builtin == "exec":
+        return exec_command(
+            job.arguments,
+            tool=job.call.name,
+            cwd=workspace,
+            env=spec.env,
+            timeout=job.timeout,
+            output_limit=job.output_limit,
         )
-        return await run_builtin(spec.builtin, arguments, context)
     assert spec.command is not None
-    command = Command(
+    return Command(
         argv=spec.command,
         cwd=workspace,
         env=dict(spec.env),
-        stdin=orjson.dumps(arguments),
-        timeout=seconds,
-        output_limit=limit,
+        stdin=orjson.dumps(job.arguments),
+        timeout=job.timeout,
+        output_limit=job.output_limit,
     )
+
+
+async def run_on_host(
+    job: Job, spec: ExecutionSpec, host: Host, workspace: str | None
+) -> ToolResult:
+    """A built-in or a command tool on ``host``, in ``workspace`` (None: the host's default)."""
+    if spec.builtin is not None and spec.builtin != "exec":
+        context = FileToolContext(
+            call_id=job.call.id,
+            tool=job.call.name,
+            host=host,
+            workspace=workspace,
+            timeout=job.timeout,
+            output_limit=job.output_limit,
+        )
+        return await run_file_tool(spec.builtin, job.arguments, context)
+    try:
+        command = _command(job, spec, workspace)
+    except ToolArgumentError as exc:
+        return ToolResult.from_error(exc, call_id=job.call.id, tool=job.call.name)
     outcome = await host.run(command)
     return command_result(
         outcome,
-        call_id=call.id,
-        tool=call.name,
-        timeout=seconds,
-        limit=limit,
-        captured_limit=limit,
+        call_id=job.call.id,
+        tool=job.call.name,
+        timeout=job.timeout,
+        limit=job.output_limit,
+        captured_limit=job.output_limit,
     )
 
 
-async def run_hosted(
-    pool: Backend, tool: Tool, arguments: Any, call: ToolCall, seconds: float, limit: int
-) -> ToolResult:
+async def run_hosted(pool: Backend, job: Job) -> ToolResult:
     """Run a tool ``pool``'s workers host; what the tool caused comes back as a result."""
     try:
-        hosted: HostedResult = await pool.call_hosted(tool.name, arguments, timeout=seconds)
-    except ModelFacingError as exc:
-        return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
-    except ToolFailed as exc:
-        return _tool_failed(call, exc)
-    except ToolTimeout as exc:  # the backend stopped the tool at its limit: like a kill
-        return ToolResult.failure(
-            call_id=call.id,
-            tool=call.name,
-            error=f"the tool did not finish within {seconds:g} s and was stopped",
-            error_type="Timeout",
-            host=exc.host,
+        hosted: HostedResult = await pool.call_hosted(
+            job.tool.name, job.arguments, timeout=job.timeout
         )
+    except ModelFacingError as exc:
+        return ToolResult.from_error(exc, call_id=job.call.id, tool=job.call.name)
+    except ToolFailed as exc:
+        return _tool_failed(job, exc)
+    except ToolTimeout as exc:  # the backend stopped the tool at its limit: like a kill
+        return job.stopped(host=exc.host)
     shown = hosted.value if hosted.summary is None else hosted.summary
-    return _value_result(call, shown, limit, host=hosted.worker).with_value(hosted.value)
+    return _value_result(job, shown, host=hosted.worker).with_value(hosted.value)
 
 
-async def run_function(
-    tool: Tool, arguments: dict[str, Any], call: ToolCall, seconds: float, limit: int
-) -> ToolResult:
-    with anyio.move_on_after(seconds) as deadline:
+async def run_function(job: Job) -> ToolResult:
+    """A Python-function tool in this process; a sync one that overruns is abandoned."""
+    with anyio.move_on_after(job.timeout) as deadline:
         try:
-            value = await run_prepared(tool, arguments)
+            value = await run_prepared(job.tool, job.arguments)
         except ModelFacingError as exc:
-            return ToolResult.from_error(exc, call_id=call.id, tool=call.name)
+            return ToolResult.from_error(exc, call_id=job.call.id, tool=job.call.name)
         except ToolFailed as exc:  # a tool's own failure, already carried as data
-            return _tool_failed(call, exc)
+            return _tool_failed(job, exc)
         except AgentBackendError:
             raise  # infrastructure or misuse, not the model's doing
         except Exception as exc:
             # Like a command that exits non-zero: the model sees why, the log the traceback.
-            logger.warning("tool %r raised", tool.name, exc_info=True)
-            return ToolResult.failure(
-                call_id=call.id,
-                tool=call.name,
-                error=f"the tool raised {type(exc).__name__}: {exc}",
-                error_type="ToolFailed",
-            )
+            logger.warning("tool %r raised", job.tool.name, exc_info=True)
+            return job.failure(f"the tool raised {type(exc).__name__}: {exc}", "ToolFailed")
     if deadline.cancelled_caught:
-        return ToolResult.failure(
-            call_id=call.id,
-            tool=call.name,
-            error=f"the tool did not finish within {seconds:g} s and was stopped",
-            error_type="Timeout",
-        )
-    return _value_result(call, value, limit).with_value(value)
+        return job.stopped()
+    return _value_result(job, value).with_value(value)
 
 
-def _tool_failed(call: ToolCall, exc: ToolFailed) -> ToolResult:
+def _tool_failed(job: Job, exc: ToolFailed) -> ToolResult:
     """The result of a tool that raised: its failure, already carried as data."""
-    return ToolResult.failure(
-        call_id=call.id,
-        tool=call.name,
-        error=f"the tool raised {exc.error_type or 'an error'}: {exc.message}",
-        error_type="ToolFailed",
+    return job.failure(
+        f"the tool raised {exc.error_type or 'an error'}: {exc.message}", "ToolFailed"
     )
 
 
-def _value_result(call: ToolCall, value: Any, limit: int, *, host: str | None = None) -> ToolResult:
+def _value_result(job: Job, value: Any, *, host: str | None = None) -> ToolResult:
     """A successful result showing ``value``: a string as is, anything else as JSON."""
     raw = value.encode() if isinstance(value, str) else _jsonable(value)
-    bounded = head_tail(raw, limit)
+    bounded = head_tail(raw, job.output_limit)
     return ToolResult(
-        call_id=call.id,
-        tool=call.name,
+        call_id=job.call.id,
+        tool=job.call.name,
         ok=True,
         output=bounded.text(),
         truncated=bounded.truncated,

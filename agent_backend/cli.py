@@ -16,14 +16,18 @@ import sys
 import time
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import anyio
 import typer
+from typer.core import TyperCommand, TyperOption
 
 from agent_backend.errors import AgentBackendError, ModelFacingError
 from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.tools import ToolCall, ToolRegistry
+
+if TYPE_CHECKING:
+    from agent_backend.daemon import DaemonSettings
 
 app = typer.Typer(
     name="agent-backend",
@@ -205,19 +209,65 @@ def _banner(url: str, token: Any, registry: ToolRegistry, pool_kind: str, grace:
     )
 
 
-@app.command("serve")
+class _SettingsCommand(TyperCommand):
+    """A command whose options named like a :class:`DaemonSettings` field default to unset,
+    so that the settings fill them (from ``$AGENT_BACKEND_<NAME>``, the ``--env-file``, or
+    their own defaults); its help shows what that gives. The defaults are read from the
+    settings when the help is printed, so that the other commands never import the daemon."""
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        from agent_backend.daemon import DaemonSettings
+
+        prefix = DaemonSettings.model_config.get("env_prefix", "")
+        for param in self.params:
+            field = DaemonSettings.model_fields.get(param.name or "")
+            if field is not None and isinstance(param, TyperOption) and param.name:
+                param.show_default = f"${prefix}{param.name.upper()}, else {field.default}"
+        super().format_help(ctx, formatter)
+
+
+def _daemon_settings(
+    ctx: typer.Context, token: str, env_file: Path | None, **options: Any
+) -> DaemonSettings:
+    """The daemon's settings: the options given, over the environment, over ``env_file``."""
+    import pydantic
+
+    from agent_backend.daemon import DaemonSettings
+
+    given = {name: value for name, value in options.items() if value is not None}
+    try:
+        return DaemonSettings.load(env_file=env_file, tokens=(token,), **given)
+    except pydantic.ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        name = str(error["loc"][0]) if error["loc"] else ""
+        option = next((p for p in ctx.command.params if p.name == name), None)
+        if name in given and option is not None:
+            raise typer.BadParameter(error["msg"], ctx=ctx, param_hint=option.opts[0]) from None
+        prefix = DaemonSettings.model_config.get("env_prefix", "")
+        if error["type"] == "extra_forbidden":
+            fields = [field for field in DaemonSettings.model_fields if field != "tokens"]
+            known = ", ".join(f"{prefix}{field.upper()}" for field in fields)
+            _fail(
+                f"{env_file}: {name.upper()} is not a daemon setting (they are {known}); "
+                f"the token goes in ${prefix}TOKEN or --token-file",
+                code=3,
+            )
+        where = f"${prefix}{name.upper()}" + (f" (or {env_file})" if env_file else "")
+        _fail(f"{where}: {error['msg']} (got {error.get('input')!r})", code=3)
+
+
+@app.command("serve", cls=_SettingsCommand)
 def serve_command(
+    ctx: typer.Context,
     pool: PoolFile = None,
     host: Annotated[
-        str,
+        str | None,
         typer.Option(
             help="Address to listen on. Anything but loopback needs $AGENT_BACKEND_TOKEN "
             "or --token-file."
         ),
-    ] = "127.0.0.1",
-    port: Annotated[
-        int, typer.Option(help="TCP port (0: any free port).", min=0, max=65535)
-    ] = 8765,
+    ] = None,
+    port: Annotated[int | None, typer.Option(help="TCP port (0: any free port).")] = None,
     tools_dir: PoolToolsDir = None,
     token_file: Annotated[
         Path | None,
@@ -228,12 +278,24 @@ def serve_command(
         ),
     ] = None,
     grace: Annotated[
-        float,
-        typer.Option(help="Seconds calls in flight get to finish on SIGTERM/SIGINT.", min=0.1),
-    ] = 10.0,
-    max_concurrent: Annotated[
-        int, typer.Option(help="Requests one token may have in flight (more get 429).", min=1)
-    ] = 128,
+        float | None,
+        typer.Option(help="Seconds calls in flight get to finish on SIGTERM/SIGINT."),
+    ] = None,
+    max_concurrent_per_token: Annotated[
+        int | None,
+        typer.Option(
+            "--max-concurrent", help="Requests one token may have in flight (more get 429)."
+        ),
+    ] = None,
+    env_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File of AGENT_BACKEND_<SETTING>=value lines, any DaemonSettings field "
+            "(docs/daemon.md). The environment wins over it, and options over both.",
+            exists=True,
+            dir_okay=False,
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
     """Run the HTTP daemon: the tools of --tools-dir (and a Ray pool's own), run on --pool, behind a token.
@@ -241,7 +303,7 @@ def serve_command(
     Routes are under /v1 (OpenAPI at /openapi.json, Prometheus at /metrics, MCP at /mcp).
     Stops gracefully on SIGTERM or Ctrl-C, exit status 0.
     """
-    from agent_backend.daemon import DaemonServer, DaemonSettings
+    from agent_backend.daemon import DaemonServer
     from agent_backend.dispatch import Dispatcher
     from agent_backend.pool_file import load_pools
     from agent_backend.tokens import is_loopback, load_token
@@ -249,21 +311,23 @@ def serve_command(
     _logging(log_level)
     try:
         token = load_token(token_file)
-        settings = DaemonSettings(
-            tokens=(token.token,),
+        settings = _daemon_settings(
+            ctx,
+            token.token,
+            env_file,
             host=host,
             port=port,
             grace=grace,
-            max_concurrent_per_token=max_concurrent,
+            max_concurrent_per_token=max_concurrent_per_token,
         )
         pools = load_pools(_pool_source(pool))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     registry = _pool_registry(tools_dir, pools)
     explicit = token.origin == "env" or token_file is not None
-    if not is_loopback(host) and not explicit:
+    if not is_loopback(settings.host) and not explicit:
         _fail(
-            f"refusing to listen on {host} (not loopback) without a token you chose: "
+            f"refusing to listen on {settings.host} (not loopback) without a token you chose: "
             "set AGENT_BACKEND_TOKEN or pass --token-file",
             code=3,
         )
@@ -275,7 +339,7 @@ def serve_command(
             )
             async with anyio.create_task_group() as group:
                 url = await group.start(server.serve)
-                typer.echo(_banner(url, token, registry, pools.describe(), grace))
+                typer.echo(_banner(url, token, registry, pools.describe(), settings.grace))
 
     try:
         anyio.run(main)

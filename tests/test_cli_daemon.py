@@ -1,16 +1,25 @@
-"""The command line: call, pool check, serve's refusals, and help a newcomer can follow."""
+"""The command line: call, pool check, serve's refusals and settings, and help a newcomer can follow."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from daemon_fixtures import TOKEN, Daemon, daemon_fixture  # noqa: F401
+from sshd import free_port
 from typer.testing import CliRunner
 
 from agent_backend.cli import app
+from agent_backend.daemon import DaemonSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -112,6 +121,104 @@ def test_help_explains_each_command(command: list[str]) -> None:
     if command == ["serve"]:
         for option in ("--pool", "--host", "--port", "--tools-dir", "--token-file", "--grace"):
             assert option in shown.stdout
+
+
+def test_serve_help_shows_the_defaults_the_settings_hold() -> None:
+    shown = " ".join(runner.invoke(app, ["serve", "--help"], terminal_width=200).stdout.split())
+    for name, flag in [
+        ("host", "--host"),
+        ("port", "--port"),
+        ("grace", "--grace"),
+        ("max_concurrent_per_token", "--max-concurrent"),
+    ]:
+        default = DaemonSettings.model_fields[name].default
+        assert re.search(
+            rf"{flag} .*?\[default: \(\$AGENT_BACKEND_{name.upper()}, else {re.escape(str(default))}\)\]",
+            shown,
+        ), (flag, shown)
+
+
+def test_the_daemon_docs_list_every_setting_with_its_default() -> None:
+    text = (ROOT / "docs" / "daemon.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| `(AGENT_BACKEND_\w+)` \| `([^`]*)` \|", text, re.M)
+    documented = {name: (variable, default) for name, variable, default in rows}
+    expected = {
+        name: (f"AGENT_BACKEND_{name.upper()}", str(field.default))
+        for name, field in DaemonSettings.model_fields.items()
+        if name != "tokens"
+    }
+    assert documented == expected
+
+
+def test_serve_refuses_bad_settings_naming_where_they_came_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENT_BACKEND_TOKEN", TOKEN)
+    option = runner.invoke(app, ["serve", "--port", "70000"])
+    assert option.exit_code == 2
+    assert "--port" in option.stderr
+    monkeypatch.setenv("AGENT_BACKEND_GRACE", "soon")
+    variable = runner.invoke(app, ["serve", "--port", "0"])
+    assert variable.exit_code == 3
+    assert "$AGENT_BACKEND_GRACE" in variable.stderr
+    monkeypatch.delenv("AGENT_BACKEND_GRACE")
+    env_file = tmp_path / "daemon.env"
+    env_file.write_text("AGENT_BACKEND_PROT=9000\n")
+    typo = runner.invoke(app, ["serve", "--env-file", str(env_file)])
+    assert typo.exit_code == 3
+    assert f"{env_file}: AGENT_BACKEND_PROT is not a daemon setting" in typo.stderr
+
+
+def _serve_command() -> list[str]:
+    script = Path(sys.executable).with_name("agent-backend")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "agent_backend.cli"]
+
+
+@pytest.mark.timeout(60)
+def test_serve_takes_options_over_the_environment_over_the_env_file(tmp_path: Path) -> None:
+    """A real `agent-backend serve`: each setting comes from the first place that gives it."""
+    port = free_port()
+    env_file = tmp_path / "daemon.env"
+    env_file.write_text(
+        f"AGENT_BACKEND_PORT={port}\nAGENT_BACKEND_GRACE=7\nAGENT_BACKEND_MAX_BATCH=2\n"
+    )
+    env = {
+        **os.environ,
+        "AGENT_BACKEND_TOKEN": TOKEN,
+        "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
+        "AGENT_BACKEND_GRACE": "2.5",  # over the file's 7
+        "AGENT_BACKEND_HOST": "0.0.0.0",  # under --host
+    }
+    process = subprocess.Popen(
+        [*_serve_command(), "serve", "--env-file", str(env_file), "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    assert process.stderr is not None
+    try:
+        banner = [process.stdout.readline() for _ in range(2)]
+        while banner[-1] and not banner[-1].startswith("stop:"):
+            banner.append(process.stdout.readline())
+        threading.Thread(target=process.stdout.read, daemon=True).start()
+        url = f"http://127.0.0.1:{port}"
+        assert banner[0].startswith(f"agent-backend daemon on {url} "), banner
+        assert "calls in flight get 2.5 s to finish" in banner[-1], banner
+        calls = [{"name": "exec", "arguments": {"command": "true"}}] * 3
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        refused = httpx.post(f"{url}/v1/batch", json={"calls": calls}, headers=headers, timeout=10)
+        assert refused.status_code == 422
+        assert "at most 2 calls" in refused.text
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+        process.stderr.close()
+        process.stdout.close()
 
 
 def test_tools_strict_prints_the_strict_variant_and_needs_openai() -> None:

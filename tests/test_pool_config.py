@@ -11,8 +11,9 @@ import pytest
 from ray_fixtures import require_ray
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
-from agent_backend.backends.ssh import SSHHostConfig
-from agent_backend.config import import_object
+from agent_backend.backends.ssh import SSHHostConfig, SSHHostSettings, SSHPoolConfig
+from agent_backend.config import ConfigModel, import_object
+from agent_backend.daemon import DaemonSettings
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
 from agent_backend.dispatch.builtin import builtin_schema_text
 from agent_backend.errors import ConfigError
@@ -141,6 +142,21 @@ def test_relative_paths_are_relative_to_the_pool_file(
     assert isinstance(config, LocalPoolConfig)
     assert config.workspace_root == str(tmp_path / "conf" / "ws")
     assert config.default_cwd == "/home/someone/x"
+
+
+def test_every_config_model_shares_the_one_base() -> None:
+    """Unknown keys refused, frozen, a docstring on every field: said once, in ConfigModel."""
+    require_ray()
+    from agent_backend.backends.ray import LocalRayConfig, RayPoolConfig, RayToolConfig
+
+    models = [LocalPoolConfig, SSHHostSettings, SSHHostConfig, SSHPoolConfig]
+    models += [RayToolConfig, LocalRayConfig, RayPoolConfig, DaemonSettings]
+    for model in models:
+        assert issubclass(model, ConfigModel), model
+        config = model.model_config
+        assert (config["extra"], config["frozen"]) == ("forbid", True), model
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name}"
 
 
 def test_a_config_built_in_code_resolves_paths_from_the_working_directory(

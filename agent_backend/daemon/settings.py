@@ -1,27 +1,44 @@
 """The daemon's settings: where it listens, who may call it, and how much it accepts.
 
-Pure data (a frozen pydantic model); reading the token from the environment or
-a file is :mod:`agent_backend.daemon.auth`'s job, not this module's.
+The one place their defaults live. Each setting can also come from an
+``AGENT_BACKEND_<NAME>`` environment variable (``AGENT_BACKEND_PORT=9000``),
+or from a file of such lines (:meth:`DaemonSettings.load`, ``agent-backend
+serve --env-file``); what is given in code (or on the command line) wins over
+the environment, which wins over the file. ``agent-backend serve``'s options
+default to unset and take their defaults from here.
+
+Frozen data; reading the token from its variable or its file is
+:mod:`agent_backend.tokens`' job, not this module's.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import os
+from typing import Annotated, Any, Final
 
 import pydantic
+import pydantic_settings
 
-__all__ = ["DaemonSettings"]
+from agent_backend.config import ConfigModel
+
+__all__ = ["ENV_PREFIX", "DaemonSettings"]
+
+#: What each setting's environment variable starts with (``AGENT_BACKEND_PORT``).
+ENV_PREFIX: Final = "AGENT_BACKEND_"
 
 _Positive = Annotated[float, pydantic.Field(gt=0, allow_inf_nan=False)]
 
 
-class DaemonSettings(pydantic.BaseModel):
+class DaemonSettings(pydantic_settings.BaseSettings, ConfigModel):
     """How one daemon behaves. Every limit has a safe default."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    # BaseSettings reads the environment and the file; ConfigModel refuses unknown names and
+    # freezes. env_file None: no .env is read from the working directory unless one is passed.
+    model_config = pydantic_settings.SettingsConfigDict(env_prefix=ENV_PREFIX, env_file=None)
 
     tokens: tuple[Annotated[str, pydantic.StringConstraints(min_length=16)], ...]
-    """Bearer tokens that may call the daemon (usually one). Every route but liveness needs one."""
+    """Bearer tokens that may call the daemon (usually one). Every route but liveness needs one.
+    ``agent-backend serve`` passes the one from ``$AGENT_BACKEND_TOKEN`` or the token file."""
     host: str = "127.0.0.1"
     """Address to bind. Anything but loopback needs a token given explicitly (not generated)."""
     port: Annotated[int, pydantic.Field(ge=0, le=65535)] = 8765
@@ -48,6 +65,19 @@ class DaemonSettings(pydantic.BaseModel):
     """On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled."""
     mcp: bool = True
     """Serve MCP's streamable HTTP transport at ``/mcp``."""
+
+    @classmethod
+    def load(
+        cls, *, env_file: str | os.PathLike[str] | None = None, **values: Any
+    ) -> DaemonSettings:
+        """``values`` over ``$AGENT_BACKEND_<NAME>`` over ``env_file``'s lines over the defaults.
+
+        ``env_file`` holds ``AGENT_BACKEND_<NAME>=value`` lines; any other name
+        in it is refused, as an unknown keyword is.
+        """
+        # pydantic-settings' own argument, not a field: type checkers know only the fields.
+        sources: dict[str, Any] = {"_env_file": env_file}
+        return cls(**sources, **values)
 
     @pydantic.field_validator("tokens")
     @classmethod

@@ -5,6 +5,7 @@ kind of call at all, is activity), and one failing episode never skips another's
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -455,10 +456,12 @@ async def test_the_loop_stays_responsive_while_sessions_open_and_close(
     assert workspaces(root) == []
 
 
-def test_session_repr_before_open(tmp_path: Path) -> None:
-    dispatcher = Dispatcher(tools(), LocalBackend(LocalPoolConfig(workspace_root=str(tmp_path))))
-    session = Session(dispatcher, "s9")
-    assert repr(session) == "<Session s9 [calls: 0 active] new>"
+async def test_session_repr_before_open(tmp_path: Path) -> None:
+    pool = LocalBackend(LocalPoolConfig(workspace_root=str(tmp_path)))
+    async with Dispatcher(tools(), pool) as dispatcher:
+        session = dispatcher.session()
+        assert isinstance(session, Session)
+        assert re.fullmatch(r"<Session s1-[0-9a-f]{16} \[calls: 0 active\] new>", repr(session))
 
 
 async def test_a_failed_removal_is_logged_and_never_stops_the_others(

@@ -11,16 +11,12 @@ from agent_backend.dispatch.backend import (
     Output,
 )
 from agent_backend.dispatch.builtin import BUILTIN_DEFINITIONS, builtin_tools
-from agent_backend.dispatch.dispatcher import (
-    CallLike,
-    Dispatcher,
-    DispatcherStatistics,
-    Session,
-    as_tool_call,
-)
+from agent_backend.dispatch.dispatcher import Dispatcher, DispatcherStatistics
 from agent_backend.dispatch.output import OutputBuffer, head_tail
 from agent_backend.dispatch.result import ERROR_TYPES, ToolResult
 from agent_backend.dispatch.routes import DEFAULT_POOL_NAME, PoolShape, Route, route
+from agent_backend.dispatch.running import CallLike, as_tool_call
+from agent_backend.dispatch.session import Session
 from agent_backend.dispatch.spec import META_KEY, ExecutionSpec
 
 __all__ = [

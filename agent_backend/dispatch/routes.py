@@ -21,6 +21,10 @@ naming its file and the key. The ``pool`` key is not part of
 :class:`~agent_backend.dispatch.spec.ExecutionSpec`: that spec says *how* a
 tool runs, a route says *where*.
 
+A :class:`Router` keeps one dispatcher's routes: the tools its pools host
+(added to the registry), and each tool's :class:`Plan` (route and spec),
+made once, at the tool's first call or when the dispatcher is made.
+
 Pure: no I/O, no pool is touched; the dispatcher passes a
 :class:`PoolShape` per pool.
 """
@@ -28,7 +32,7 @@ Pure: no I/O, no pool is touched; the dispatcher passes a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agent_backend.dispatch.spec import (
@@ -40,15 +44,15 @@ from agent_backend.dispatch.spec import (
     read_spec,
 )
 from agent_backend.errors import ConfigError
-from agent_backend.tools import Tool
+from agent_backend.tools import Tool, ToolRegistry
 
 __all__ = [
     "DEFAULT_POOL_NAME",
-    "POOL_KEY",
+    "Plan",
     "PoolShape",
     "Route",
+    "Router",
     "execution_block_schema",
-    "read_spec",
     "route",
 ]
 
@@ -75,6 +79,76 @@ class Route:
 
     pool: str | None
     kind: ExecutionKind
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """How and where one tool runs: its :class:`Route` and its :class:`ExecutionSpec`."""
+
+    route: Route
+    spec: ExecutionSpec
+
+
+class Router:
+    """The routes of one dispatcher: its pools' shapes, the tools they host, each tool's plan.
+
+    :meth:`add_pool` for every pool first (a pool's hosted tools join
+    ``registry``), then :meth:`plan` per tool, found once and kept.
+    """
+
+    def __init__(self, registry: ToolRegistry, default: str) -> None:
+        self.registry = registry
+        self.default = default
+        self.shapes: dict[str, PoolShape] = {}
+        self._hosted: dict[str, tuple[str, Tool]] = {}
+        self._plans: dict[Tool, Plan] = {}
+
+    def add_pool(self, shape: PoolShape, hosted: Iterable[Tool]) -> None:
+        """Route to pool ``shape.name``; the tools its workers run join the registry."""
+        self.shapes[shape.name] = shape
+        for tool in hosted:
+            self._adopt(shape, tool)
+
+    def _adopt(self, shape: PoolShape, tool: Tool) -> None:
+        """Add a tool the pool hosts to the registry (the same object on a second look).
+
+        A registry tool of that name stays if it routes itself there
+        (``x-agent-backend.pool``): it declares the hosted tool.
+        """
+        other = self._hosted.get(tool.name)
+        if other is not None and other[0] != shape.name:
+            raise ConfigError(
+                f"{tool.source or 'a pool'}: tool {tool.name!r} is hosted by pools "
+                f"{other[0]!r} and {shape.name!r}; rename one",
+                file=tool.source,
+                key="name",
+                expected="a name one pool hosts",
+            )
+        if tool.name in self.registry:
+            existing = self.registry.get(tool.name)
+            if existing is not tool and read_spec(existing)[1] != shape.name:
+                raise ConfigError(
+                    f"{existing.source or 'the registry'}: tool {tool.name!r} is also hosted by "
+                    f"the {shape.kind} pool {shape.name!r} ({tool.source or 'its workers'}); "
+                    f"rename one, or route it there (x-agent-backend.pool = {shape.name!r})",
+                    file=existing.source,
+                    key="name",
+                    expected=f"a name the {shape.kind} pool's tools do not use",
+                )
+        else:
+            self.registry.add(tool)
+        self._hosted[tool.name] = (shape.name, tool)
+
+    def plan(self, tool: Tool) -> Plan:
+        """``tool``'s plan; :class:`ConfigError` naming its file when no pool can run it."""
+        plan = self._plans.get(tool)
+        if plan is None:
+            hosted = self._hosted.get(tool.name)
+            hosted_by = hosted[0] if hosted is not None and hosted[1] is tool else None
+            where = route(tool, self.shapes, self.default, hosted_by=hosted_by)
+            plan = Plan(where, read_spec(tool)[0])
+            self._plans[tool] = plan
+        return plan
 
 
 def execution_block_schema() -> dict[str, Any]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -39,11 +39,14 @@ from agent_backend.errors import (
     ToolArgumentError,
     ToolFailed,
     ToolTimeout,
+    clip,
 )
 from agent_backend.tools import Tool, ToolCall, run_prepared
 
 __all__ = [
+    "CallLike",
     "Job",
+    "as_tool_call",
     "gather",
     "run_function",
     "run_hosted",
@@ -51,6 +54,27 @@ __all__ = [
 ]
 
 logger = logging.getLogger("agent_backend.dispatch")
+
+#: What :meth:`Dispatcher.call` accepts: a :class:`ToolCall`, a ``(name,
+#: arguments)`` pair, or a ``{"name", "arguments"[, "id"]}`` mapping.
+CallLike = ToolCall | tuple[str, Any] | Mapping[str, Any]
+
+
+def as_tool_call(call: CallLike, index: int = 0) -> ToolCall:
+    """``call`` as a :class:`ToolCall`; id ``call_<index>`` unless it has one."""
+    if isinstance(call, ToolCall):
+        return call
+    if isinstance(call, tuple) and len(call) == 2 and isinstance(call[0], str):
+        name, arguments = call
+        return ToolCall(f"call_{index}", name, arguments, "mcp")
+    if isinstance(call, Mapping) and isinstance(call.get("name"), str):
+        raw_id = call.get("id")
+        call_id = raw_id if isinstance(raw_id, str) and raw_id else f"call_{index}"
+        return ToolCall(call_id, call["name"], call.get("arguments", {}), "mcp")
+    raise TypeError(
+        "a call is a ToolCall, a (name, arguments) pair or a {'name', 'arguments'} mapping, "
+        f"not {clip(repr(call), 80)}"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ import anyio
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import PolicyError, RolloutError
+from agent_backend.integrations._groups import step_pool
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
@@ -63,7 +64,6 @@ from agent_backend.rollout import (
     EpisodeConfig,
     NonFinitePolicy,
     Policy,
-    RolloutPool,
     SampledTokens,
     TokenPolicy,
     Trajectory,
@@ -440,17 +440,8 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
             for i in rows_of_groups
         ]
         version = self._policy_version(input_batch.get("batch_metadata"))
-        pool = RolloutPool(
-            self._policy_for(input_batch.get("sampling_params")),
-            dispatcher,
-            reward=self.reward,
-            n=n,
-            concurrency=self.concurrency,
-            episode=self.episode,
-            policy_version=version,
-            group_retries=self.group_retries,
-            max_failed_groups=self.max_failed_groups,
-        )
+        policy = self._policy_for(input_batch.get("sampling_params"))
+        pool = step_pool(self, policy, dispatcher, n=n, version=version)
         records = await pool.collect(distinct)
         rows = episode_rows(
             records,

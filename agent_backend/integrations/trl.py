@@ -36,12 +36,12 @@ from anyio.from_thread import BlockingPortal
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import RolloutError
+from agent_backend.integrations._groups import step_pool
 from agent_backend.lifecycle import SyncResource
 from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
     EpisodeConfig,
     Policy,
-    RolloutPool,
     RolloutStatistics,
     TokenPolicy,
     Trajectory,
@@ -183,17 +183,7 @@ class TRLRollout(SyncResource):
 
     async def _sample(self, prompts: list[Any], n: int, version: int) -> list[Trajectory]:
         # A pool per call: fresh group ids each step, and TRL's group size (train or eval).
-        pool = RolloutPool(
-            self.policy,
-            self.dispatcher,
-            reward=self.reward,
-            n=n,
-            concurrency=self.concurrency,
-            episode=self.episode,
-            policy_version=version,
-            group_retries=self.group_retries,
-            max_failed_groups=self.max_failed_groups,
-        )
+        pool = step_pool(self, self.policy, self.dispatcher, n=n, version=version)
         records = await pool.collect(prompts)
         self.last_statistics = pool.statistics()
         return records

@@ -6,7 +6,8 @@ and an owner; a resource is handed back for closing (by :meth:`LeaseTable.reap`,
 :meth:`LeaseTable.close` or :meth:`LeaseTable.drained`) only when, at that
 moment, it holds no lease and is still the very object registered under that
 identity. The idle clock starts when the *last* lease ends, so a use longer
-than the idle TTL is never reaped underneath its holder (PITFALLS 9, 10, 15).
+than the idle TTL is never reaped underneath its holder, and a resource a
+sibling still uses is never closed under it.
 
 This module must never do I/O, await, sleep, lock or close anything: it is
 synchronous and called from one event loop, so each method is atomic. The

@@ -47,8 +47,6 @@ pool_app = typer.Typer(
 )
 app.add_typer(pool_app, name="pool")
 
-DEFAULT_TOOLS_DIR = BUILTIN_TOOLS_DIR
-
 ToolsDir = Annotated[
     Path,
     typer.Option(
@@ -105,7 +103,7 @@ def _pool_registry(tools_dir: Path | None, pools: Any) -> ToolRegistry:
     if tools_dir is None:
         if not pools.has_hosts():  # Ray pools: their own tools join the registry in the Dispatcher
             return ToolRegistry()
-        tools_dir = DEFAULT_TOOLS_DIR
+        tools_dir = BUILTIN_TOOLS_DIR
     return _registry(tools_dir)
 
 
@@ -116,7 +114,7 @@ def _fail(message: str, *, code: int) -> NoReturn:
 
 @app.command("tools")
 def tools_command(
-    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    tools_dir: ToolsDir = BUILTIN_TOOLS_DIR,
     format: Annotated[
         ToolFormat, typer.Option("--format", "-f", help="table, or the JSON a provider expects.")
     ] = ToolFormat.table,
@@ -154,7 +152,7 @@ def prepare_command(
     arguments: Annotated[
         str, typer.Argument(help="Arguments as the model sent them (JSON text); - reads stdin.")
     ],
-    tools_dir: ToolsDir = DEFAULT_TOOLS_DIR,
+    tools_dir: ToolsDir = BUILTIN_TOOLS_DIR,
 ) -> None:
     """Repair and validate arguments for a tool, without running it.
 
@@ -168,12 +166,6 @@ def prepare_command(
     except ModelFacingError as exc:
         _fail(exc.to_model_message(), code=1)
     typer.echo(json.dumps(prepared.arguments, indent=2, ensure_ascii=False))
-
-
-def _pool_source(pool: Path | None) -> Any:
-    from agent_backend.pool_file import DEFAULT_POOL
-
-    return DEFAULT_POOL if pool is None else pool
 
 
 def _logging(level: str) -> None:
@@ -320,7 +312,7 @@ def serve_command(
             grace=grace,
             max_concurrent_per_token=max_concurrent_per_token,
         )
-        pools = load_pools(_pool_source(pool))
+        pools = load_pools(pool)
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     registry = _pool_registry(tools_dir, pools)
@@ -360,7 +352,7 @@ def mcp_command(
 
     _logging(log_level)
     try:
-        pools = load_pools(_pool_source(pool))
+        pools = load_pools(pool)
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     registry = _pool_registry(tools_dir, pools)
@@ -413,7 +405,7 @@ def call_command(
     call = ToolCall("cli", name, text, "openai")
 
     async def local() -> ToolResult:
-        pools = load_pools(_pool_source(pool))
+        pools = load_pools(pool)
         registry = _pool_registry(tools_dir, pools)
         async with pools, Dispatcher(registry, **pools.dispatcher_options()) as d:
             return await d.call(call, timeout=timeout)

@@ -192,6 +192,11 @@ class PoolSetConfig:
         if self.default not in self.pools:
             raise ValueError(f"default pool {self.default!r} is not one of {', '.join(self.pools)}")
 
+    @classmethod
+    def single(cls, config: PoolConfig = DEFAULT_POOL) -> PoolSetConfig:
+        """One pool as a set, under the default pool's name (the built-in local pool if none)."""
+        return cls({DEFAULT_POOL_NAME: config}, DEFAULT_POOL_NAME)
+
 
 def pool_set_config_from_dict(
     data: object, *, file: str | None = None, config_dir: str | os.PathLike[str] | None = None
@@ -200,8 +205,7 @@ def pool_set_config_from_dict(
     the set ``{"default": pool}``; :class:`ConfigError` (naming ``file`` and the key) if wrong."""
     where = file or "<config>"
     if not isinstance(data, dict) or "pools" not in data:
-        single = pool_config_from_dict(data, file=file, config_dir=config_dir)
-        return PoolSetConfig({DEFAULT_POOL_NAME: single}, DEFAULT_POOL_NAME)
+        return PoolSetConfig.single(pool_config_from_dict(data, file=file, config_dir=config_dir))
     unknown = sorted(set(data) - {"pools", "default"})
     if unknown:
         raise ConfigError(
@@ -309,15 +313,18 @@ async def _close_one(name: str, backend: Backend) -> None:
 
 
 def load_pools(
-    source: str | os.PathLike[str] | PoolConfig | PoolSetConfig = DEFAULT_POOL,
+    source: str | os.PathLike[str] | PoolConfig | PoolSetConfig | None = None,
 ) -> PoolSet:
-    """The backends a pool-set file (or one pool's file, or a config object) describes.
+    """The backends a pool-set file (or one pool's file, or a config object) describes;
+    None: :data:`DEFAULT_POOL`.
 
     Start them with ``async with``; :class:`ConfigError` for a bad file.
     """
     if isinstance(source, (str, os.PathLike)):
         source = load_pools_config(source)
+    elif source is None:
+        source = PoolSetConfig.single()
     if not isinstance(source, PoolSetConfig):
-        source = PoolSetConfig({DEFAULT_POOL_NAME: source}, DEFAULT_POOL_NAME)
+        source = PoolSetConfig.single(source)
     backends = {name: pool_from_config(config) for name, config in source.pools.items()}
     return PoolSet(backends, source.default)

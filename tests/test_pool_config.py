@@ -21,6 +21,7 @@ from agent_backend.pool_file import (
     DEFAULT_POOL,
     POOL_TYPES,
     PoolSet,
+    PoolSetConfig,
     load_pool,
     load_pool_config,
     load_pools,
@@ -183,6 +184,13 @@ def test_import_object_takes_module_colon_attribute() -> None:
         import_object("os:nothing_here")
     with pytest.raises(ImportError, match="os:path has no attribute 'nope'"):
         import_object("os:path.nope")
+
+
+def test_no_source_is_the_default_pool() -> None:
+    assert PoolSetConfig.single() == PoolSetConfig({"default": DEFAULT_POOL}, "default")
+    pools = load_pools()
+    assert list(pools.backends) == ["default"]
+    assert pools.backends["default"].config == DEFAULT_POOL  # type: ignore[attr-defined]
 
 
 def test_pool_types_and_config_objects(tmp_path: Path) -> None:

@@ -43,7 +43,6 @@ from agent_backend.resources import BUILTIN_TOOLS_DIR
 
 __all__ = ["ledger_path", "load_prompts", "rollout_command"]
 
-DEFAULT_TOOLS_DIR = BUILTIN_TOOLS_DIR
 EXIT_LEFT = 1
 EXIT_FAILED = 3
 EXIT_INTERRUPTED = 130
@@ -173,7 +172,7 @@ def rollout_command(
     tools_dir: Annotated[
         Path,
         typer.Option(help="Folder of tool schema files.", exists=True, file_okay=False),
-    ] = DEFAULT_TOOLS_DIR,
+    ] = BUILTIN_TOOLS_DIR,
     api_key: Annotated[
         str | None, typer.Option(envvar="OPENAI_API_KEY", help="Bearer token of the server.")
     ] = None,
@@ -203,7 +202,7 @@ def rollout_command(
     interrupted.
     """
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool_file import DEFAULT_POOL, PoolSetConfig, load_pools, load_pools_config
+    from agent_backend.pool_file import PoolSetConfig, load_pools, load_pools_config
     from agent_backend.rollout.episode import EpisodeConfig, RewardFunction, ToolReward
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool
@@ -221,11 +220,7 @@ def rollout_command(
     try:
         rows = load_prompts(prompts)
         registry = ToolRegistry.from_dir(tools_dir)
-        pools_config = (
-            load_pools_config(pool)
-            if pool is not None
-            else PoolSetConfig({"default": DEFAULT_POOL}, "default")
-        )
+        pools_config = load_pools_config(pool) if pool is not None else PoolSetConfig.single()
         pool_config = pools_config.pools[pools_config.default]
         # One Ray pool scales out: rollout workers as Ray actors, tools on their nodes.
         on_ray = len(pools_config.pools) == 1 and pool_config.type == "ray"

@@ -1,23 +1,24 @@
-"""What the trainer adapters share: one :class:`~agent_backend.rollout.RolloutPool` per trainer call.
+"""What the trainer adapters share: the pool of one training step, the placeholder row's token.
 
 TRL's ``rollout_func`` and SkyRL's ``generate`` each sample the groups of one
 training step with a pool of their own: fresh group ids each step, the
 trainer's group size and weights version, and the adapter's settings (reward,
 episode limits, concurrency, how failed groups are retried). :func:`step_pool`
-makes that pool the same way for both.
+makes that pool the same way for both. :func:`placeholder_token` is the token
+of the one-token row that stands for a failed episode.
 
 It imports no trainer and holds no state.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from agent_backend import Dispatcher
 from agent_backend.rollout import EpisodeConfig, Policy, RolloutPool
 from agent_backend.rollout.episode import RewardFunction
 
-__all__ = ["GroupSettings", "step_pool"]
+__all__ = ["GroupSettings", "placeholder_token", "step_pool"]
 
 
 class GroupSettings(Protocol):
@@ -45,3 +46,16 @@ def step_pool(
         group_retries=settings.group_retries,
         max_failed_groups=settings.max_failed_groups,
     )
+
+
+def placeholder_token(tokenizer: Any) -> int | None:
+    """The pad token id of a tokenizer (or of the one a processor or ChatTemplate wraps), else
+    its eos token id; None when it has neither."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+    return None

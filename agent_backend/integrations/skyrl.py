@@ -56,7 +56,7 @@ import anyio
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import PolicyError, RolloutError
-from agent_backend.integrations._groups import step_pool
+from agent_backend.integrations._groups import placeholder_token, step_pool
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
@@ -189,18 +189,6 @@ class SkyRLTokenSampler:
         )
 
 
-def _token_id(tokenizer: Any) -> int | None:
-    """The tokenizer's pad token id, else its eos token id (a placeholder row's token)."""
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a ChatTemplate, a processor
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if isinstance(value, int) and value >= 0:
-            return value
-    return None
-
-
 class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[misc,unused-ignore]
     """A SkyRL generator that runs agent_backend episodes (module docstring).
 
@@ -287,7 +275,11 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
                 if isinstance(tokenizer, ChatTemplate)
                 else ChatTemplate(tokenizer, chat_template_kwargs=chat_template_kwargs)
             )
-        token = placeholder_token_id if placeholder_token_id is not None else _token_id(tokenizer)
+        token = (
+            placeholder_token_id
+            if placeholder_token_id is not None
+            else placeholder_token(tokenizer)
+        )
         if token is None or token < 0:
             raise ValueError(
                 "a failed episode's row needs a token: pass placeholder_token_id= or a "

@@ -36,7 +36,7 @@ from anyio.from_thread import BlockingPortal
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import RolloutError
-from agent_backend.integrations._groups import step_pool
+from agent_backend.integrations._groups import placeholder_token, step_pool
 from agent_backend.lifecycle import SyncResource
 from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
@@ -208,14 +208,9 @@ def _group_size(prompts: Sequence[Any], trainer: Any) -> int:
 
 def _placeholder_token(trainer: Any) -> int:
     """The pad token id of the trainer's tokenizer, else its eos token id."""
-    processing = getattr(trainer, "processing_class", None)
-    tokenizer = getattr(processing, "tokenizer", processing)  # a processor wraps one
-    for name in ("pad_token_id", "eos_token_id"):
-        value = getattr(tokenizer, name, None)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if isinstance(value, int) and value >= 0:
-            return value
+    token = placeholder_token(getattr(trainer, "processing_class", None))
+    if token is not None:
+        return token
     raise ValueError(
         "the trainer's processing_class has neither a pad nor an eos token id: "
         "a failed episode needs one for its placeholder row"

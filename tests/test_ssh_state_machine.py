@@ -375,7 +375,9 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
         self.held: list[Lease[StandInConnection]] = []
         self.tokens: set[int] = set()
         self.ever_registered: set[int] = set()
-        self.left: set[int] = set()
+        # The connections themselves, not only their ids: a freed connection's id can be
+        # reused by a new one, which then looks as if it came back.
+        self.left: dict[int, StandInConnection] = {}
         self.stop_pool = asyncio.Event()
         self.supervisor: asyncio.Task[None] | None = None
         self.run(self._start())
@@ -480,7 +482,7 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def connection_lost(self, data: st.DataObject) -> None:
         victim = data.draw(st.sampled_from(self.pool.table.resources()))
-        self.left.add(id(victim))
+        self.left[id(victim)] = victim
 
         async def cut() -> None:
             victim.die()
@@ -503,7 +505,7 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
         self.run(self.pool.reap_idle())
         self.settle()
         for connection in idle:
-            self.left.add(id(connection))
+            self.left[id(connection)] = connection
             assert connection.closed
 
     @precondition(lambda self: not self.connector.pending and not self.pool.queued())
@@ -514,7 +516,7 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
             self.held.remove(lease)
             self.pool.release(lease)
         for connection in self.pool.table.resources():
-            self.left.add(id(connection))
+            self.left[id(connection)] = connection
         self.run(self._cut_all())
         self.settle()
         assert self.pool.table.resources() == []

@@ -1,5 +1,7 @@
-"""LocalBackend with real subprocesses: process groups die with the call, output is bounded,
-env and cwd are controlled, file operations never block, aclose leaves nothing behind."""
+"""LocalBackend with real subprocesses, what only the local host does: its two spawn paths,
+the environment its config lets through, its scratch directory, processes that escape or
+outlive their call, memory under huge output, its slots, file operations that never block
+the loop, and what aclose leaves behind. What every host must do is tests/test_host_contract.py."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from ssh_helpers import wait_until
 from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Command
-from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
+from agent_backend.errors import BackendUnavailable, PoolClosed
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -59,17 +61,6 @@ def sh(line: str, timeout: float = 10.0, **kwargs: object) -> Command:
 # -- running commands ---------------------------------------------------------------------------
 
 
-async def test_exit_status_stdout_and_stderr_are_kept_apart(host: LocalHost) -> None:
-    result = await host.run(sh("echo out; echo err >&2; exit 3"))
-    assert result.exit_status == 3
-    assert result.signal is None
-    assert result.stdout.data == b"out\n"
-    assert result.stderr.data == b"err\n"
-    assert not result.timed_out
-    assert result.host == "local"
-    assert 0 < result.duration < 5
-
-
 async def test_commands_cost_no_thread_on_the_pidfd_path(tmp_path: Path) -> None:
     # Python 3.11's asyncio waits for each child in a thread of its own; beside a busy
     # server those threads fought the event loop for the GIL. With a pidfd, none is made.
@@ -97,30 +88,6 @@ async def commands_start_no_thread(host: LocalHost, tmp_path: Path) -> None:
     assert new == [set()]
 
 
-async def test_argv_runs_without_a_shell(host: LocalHost) -> None:
-    tricky = "a b; echo INJECTED $(id) `id` > x"
-    result = await host.run(Command(argv=("printf", "%s\\n", tricky), timeout=5))
-    assert result.stdout.text() == tricky + "\n"
-
-
-async def test_stdin_is_written_and_closed(host: LocalHost) -> None:
-    data = os.urandom(300_000)  # more than a pipe buffer: written while the command reads
-    result = await host.run(Command(argv=("sha256sum",), stdin=data, timeout=5))
-    import hashlib
-
-    assert result.stdout.text().split()[0] == hashlib.sha256(data).hexdigest()
-
-
-async def test_no_stdin_means_empty_input(host: LocalHost) -> None:
-    result = await host.run(sh("cat; echo done", timeout=5))
-    assert result.stdout.text() == "done\n"
-
-
-async def test_a_command_that_ignores_its_input_does_not_hang(host: LocalHost) -> None:
-    result = await host.run(Command(argv=("true",), stdin=b"x" * 5_000_000, timeout=5))
-    assert result.exit_status == 0
-
-
 async def test_environment_is_only_what_the_config_lets_through(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,45 +113,21 @@ async def test_environment_is_only_what_the_config_lets_through(
     }
 
 
-async def test_cwd_is_the_given_directory_or_a_private_scratch(host: LocalHost) -> None:
-    workspace = await host.make_workspace()
-    pinned = await host.run(sh("pwd", cwd=workspace))
-    assert pinned.stdout.text().strip() == workspace
+async def test_without_a_cwd_commands_run_in_a_private_scratch(host: LocalHost) -> None:
     scratch = (await host.run(sh("pwd"))).stdout.text().strip()
     assert scratch != os.getcwd()
     assert os.path.basename(scratch).startswith("agent-backend-scratch-")
 
 
-async def test_missing_program_and_missing_cwd_are_results(host: LocalHost) -> None:
+async def test_a_missing_program_is_named_and_a_nul_in_argv_is_a_result(host: LocalHost) -> None:
     missing = await host.run(Command(argv=("no-such-program-xyz",), timeout=5))
     assert missing.exit_status == 127
     assert b"command not found" in missing.stderr.data
-    gone = await host.run(sh("pwd", cwd="/nonexistent/dir"))
-    assert gone.exit_status == 127
-    assert b"/nonexistent/dir" in gone.stderr.data
     nul = await host.run(Command(argv=("echo", "a\x00b"), timeout=5))
     assert nul.exit_status == 126
 
 
-async def test_killed_by_a_signal_reports_it(host: LocalHost) -> None:
-    result = await host.run(sh("kill -9 $$"))
-    assert result.exit_status is None
-    assert result.signal == "SIGKILL"
-    assert not result.timed_out
-
-
 # -- process groups: nothing outlives its call (timeout, cancellation, normal end) --------------
-
-
-async def test_timeout_kills_the_whole_process_group(host: LocalHost) -> None:
-    started = time.monotonic()
-    result = await host.run(sh("sleep 60 & echo $!; sleep 60", timeout=0.5))
-    assert result.timed_out
-    assert result.exit_status is None
-    assert result.signal == "SIGTERM"
-    assert time.monotonic() - started < 3
-    grandchild = int(result.stdout.text())
-    assert await wait_dead(grandchild, within=1.0)
 
 
 async def test_a_leader_killed_by_sigterm_always_reports_its_signal(host: LocalHost) -> None:
@@ -194,25 +137,6 @@ async def test_a_leader_killed_by_sigterm_always_reports_its_signal(host: LocalH
         result = await host.run(sh("exec sleep 30", timeout=0.1))
         assert result.timed_out
         assert (result.exit_status, result.signal) == (None, "SIGTERM")
-
-
-async def test_a_group_that_ignores_sigterm_gets_sigkill(host: LocalHost) -> None:
-    line = "trap '' TERM; (trap '' TERM; sleep 60) & echo $!; sleep 60"
-    started = time.monotonic()
-    result = await host.run(sh(line, timeout=0.3))
-    elapsed = time.monotonic() - started
-    assert result.timed_out
-    assert 0.3 + 0.5 <= elapsed < 3  # timeout + kill_grace, then SIGKILL
-    assert await wait_dead(int(result.stdout.text()), within=1.0)
-
-
-async def test_cancellation_kills_the_process_group(host: LocalHost, tmp_path: Path) -> None:
-    pid_file = tmp_path / "pid"
-    with anyio.move_on_after(0.5) as scope:
-        await host.run(sh(f"sleep 60 & echo $! > {pid_file}; sleep 60", timeout=30))
-    assert scope.cancelled_caught
-    assert await wait_dead(int(pid_file.read_text()), within=1.0)
-    assert host.load() == 0
 
 
 async def test_cancellation_at_any_moment_leaks_no_process(host: LocalHost, tmp_path: Path) -> None:
@@ -287,14 +211,6 @@ async def test_a_gigabyte_of_output_costs_bounded_memory(host: LocalHost) -> Non
     assert peak - baseline < 40 * 1024 * 1024, f"RSS grew by {(peak - baseline) >> 20} MiB"
 
 
-async def test_head_and_tail_are_kept(host: LocalHost) -> None:
-    result = await host.run(Command(shell="seq 1 100000", timeout=5, output_limit=100))
-    text = result.stdout.text()
-    assert text.startswith("1\n2\n3\n")
-    assert text.endswith("99999\n100000\n")
-    assert result.stdout.total_bytes == len("".join(f"{i}\n" for i in range(1, 100001)))
-
-
 # -- concurrency ---------------------------------------------------------------------------------
 
 
@@ -324,42 +240,6 @@ async def test_max_concurrent_calls_queues_and_the_wait_counts_against_the_timeo
 
 
 # -- files ---------------------------------------------------------------------------------------
-
-
-async def test_workspaces_are_private_real_paths_and_removed(host: LocalHost) -> None:
-    workspace = await host.make_workspace()
-    path = anyio.Path(workspace)
-    assert await path.is_dir()
-    assert str(await path.resolve()) == workspace
-    assert (await path.stat()).st_mode & 0o777 == 0o700
-    await (path / "deep" / "er").mkdir(parents=True)
-    await (path / "deep" / "er" / "f").write_text("x")
-    await (path / "deep").chmod(0o500)
-    await host.remove_workspace(workspace)
-    assert not await path.exists()
-    await host.remove_workspace(workspace)  # idempotent
-    await host.remove_workspace("/etc")  # not ours: left alone
-    assert await anyio.Path("/etc").is_dir()
-
-
-async def test_file_operations(host: LocalHost) -> None:
-    workspace = await host.make_workspace()
-    await host.write_file(f"{workspace}/a.txt", b"hello world")
-    data = await host.read_file(f"{workspace}/a.txt", limit=5)
-    assert (data.data, data.size) == (b"hello", 11)
-    os.mkdir(f"{workspace}/sub")
-    os.symlink("/etc", f"{workspace}/link")
-    listed = await host.list_dir(workspace)
-    assert [(e.name, e.kind, e.size) for e in listed] == [
-        ("a.txt", "file", 11),
-        ("link", "symlink", 0),
-        ("sub", "dir", 0),
-    ]
-    assert await host.realpath(f"{workspace}/link/x") == "/etc/x"
-    with pytest.raises(IsADirectoryError):
-        await host.read_file(f"{workspace}/sub", limit=10)
-    with pytest.raises(FileNotFoundError):
-        await host.write_file(f"{workspace}/missing/x", b"")
 
 
 async def test_reading_a_fifo_does_not_hang(host: LocalHost) -> None:
@@ -414,13 +294,6 @@ async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: 
         await host.run(sh("true"))
     with pytest.raises(PoolClosed):
         await host.make_workspace()
-
-
-async def test_use_before_start_is_refused(tmp_path: Path) -> None:
-    backend = LocalBackend(LocalPoolConfig(workspace_root=str(tmp_path)))
-    with pytest.raises(PoolError, match="not started"):
-        await backend.host.run(sh("true"))
-    await backend.aclose()
 
 
 async def test_a_missing_default_cwd_fails_at_start(tmp_path: Path) -> None:

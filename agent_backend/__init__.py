@@ -1,12 +1,14 @@
 """agent_backend: the tool-execution layer for AI agents and RL rollouts.
 
-The public API is what ``__all__`` lists; everything else is internal.
+The public API is what ``__all__`` lists; everything else is internal. The
+names are imported when first used (PEP 562), so that code needing one part
+pays for that part only: ``agent_backend.Client`` loads the client and the
+wire format, not dispatch, the tools, the schema layer or jsonschema.
 """
 
-from importlib import metadata as _metadata
+import importlib as _importlib
+import typing as _typing
 
-from agent_backend.client import Client, SyncClient
-from agent_backend.dispatch import Dispatcher, Session, ToolResult
 from agent_backend.errors import (
     AgentBackendError,
     ArgumentIssue,
@@ -25,28 +27,30 @@ from agent_backend.errors import (
     UnknownToolError,
     WorkerLost,
 )
-from agent_backend.pool_file import DEFAULT_POOL, load_pool
-from agent_backend.schema import (
-    CompiledSchema,
-    Limits,
-    compile_schema,
-    prepare_arguments,
-    resolve_local_refs,
-    resolve_schema,
-)
-from agent_backend.tools import (
-    PreparedCall,
-    Tool,
-    ToolCall,
-    ToolRegistry,
-    parse_tool_calls,
-    tool_from_function,
-)
 
-try:  # the installed distribution's version: one place, pyproject.toml
-    __version__ = _metadata.version("agent-backend")
-except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
+if _typing.TYPE_CHECKING:
+    from agent_backend.client import Client, SyncClient
+    from agent_backend.dispatch import Dispatcher, Session
+    from agent_backend.pool_file import DEFAULT_POOL, load_pool
+    from agent_backend.result import ToolResult
+    from agent_backend.schema import (
+        CompiledSchema,
+        Limits,
+        compile_schema,
+        prepare_arguments,
+        resolve_local_refs,
+        resolve_schema,
+    )
+    from agent_backend.tools import (
+        PreparedCall,
+        Tool,
+        ToolCall,
+        ToolRegistry,
+        parse_tool_calls,
+        tool_from_function,
+    )
+
+    __version__: str
 
 __all__ = [
     "DEFAULT_POOL",
@@ -86,3 +90,52 @@ __all__ = [
     "resolve_schema",
     "tool_from_function",
 ]
+
+#: The module each lazily imported name comes from.
+_HOME = {
+    "Client": "client",
+    "SyncClient": "client",
+    "Dispatcher": "dispatch",
+    "Session": "dispatch",
+    "ToolResult": "result",
+    "DEFAULT_POOL": "pool_file",
+    "load_pool": "pool_file",
+    "CompiledSchema": "schema",
+    "Limits": "schema",
+    "compile_schema": "schema",
+    "prepare_arguments": "schema",
+    "resolve_local_refs": "schema",
+    "resolve_schema": "schema",
+    "PreparedCall": "tools",
+    "Tool": "tools",
+    "ToolCall": "tools",
+    "ToolRegistry": "tools",
+    "parse_tool_calls": "tools",
+    "tool_from_function": "tools",
+}
+
+
+def _version() -> str:
+    """The installed distribution's version: one place, pyproject.toml."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("agent-backend")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def __getattr__(name: str) -> object:
+    if name == "__version__":
+        value: object = _version()
+    else:
+        home = _HOME.get(name)
+        if home is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(_importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -25,7 +25,6 @@ from typing import Annotated, Any, Final, Literal
 import pydantic
 
 from agent_backend import errors
-from agent_backend.dispatch import ToolResult
 from agent_backend.errors import (
     AgentBackendError,
     ArgumentIssue,
@@ -41,6 +40,7 @@ from agent_backend.errors import (
     Unauthorized,
     clip,
 )
+from agent_backend.result import ToolResult
 
 __all__ = [
     "API_PREFIX",

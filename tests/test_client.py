@@ -206,10 +206,6 @@ TOOL_LAYERS = (
 )
 
 
-@pytest.mark.xfail(
-    reason="agent_backend/__init__.py imports every layer, and agent_backend.wire takes "
-    "ToolResult from agent_backend.dispatch; both must change for this to pass",
-)
 def test_importing_the_client_does_not_load_the_layers_that_run_tools() -> None:
     """The thin client is the wire format over aiohttp: no dispatch, tools, schema or jsonschema."""
     code = (

@@ -16,7 +16,7 @@ from agent_backend import errors
 
 
 def test_all_lists_exactly_the_public_names() -> None:
-    public = {name for name in vars(agent_backend) if not name.startswith("_")}
+    public = {name for name in dir(agent_backend) if not name.startswith("_")}
     public -= {m.name for m in pkgutil.iter_modules(agent_backend.__path__)}  # submodules
     assert set(agent_backend.__all__) - {"__version__"} == public
     for name in agent_backend.__all__:

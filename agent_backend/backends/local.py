@@ -43,6 +43,7 @@ from agent_backend.dispatch.backend import (
     DirEntry,
     FileData,
     Host,
+    absolute_path,
 )
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
 
@@ -348,19 +349,27 @@ class LocalHost(Host):
         self._check_open()
         if path in self._workspaces:  # made here, resolved when made: no thread hop
             return path
-        return await anyio.to_thread.run_sync(os.path.realpath, path, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            os.path.realpath, absolute_path(path), abandon_on_cancel=True
+        )
 
     async def read_file(self, path: str, *, limit: int) -> FileData:
         self._check_open()
-        return await anyio.to_thread.run_sync(_read_file, path, limit, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            _read_file, absolute_path(path), limit, abandon_on_cancel=True
+        )
 
     async def write_file(self, path: str, data: bytes) -> None:
         self._check_open()
-        await anyio.to_thread.run_sync(_write_file, path, data, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(
+            _write_file, absolute_path(path), data, abandon_on_cancel=True
+        )
 
     async def list_dir(self, path: str) -> list[DirEntry]:
         self._check_open()
-        return await anyio.to_thread.run_sync(_list_dir, path, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(
+            _list_dir, absolute_path(path), abandon_on_cancel=True
+        )
 
     def workspaces(self) -> frozenset[str]:
         """The workspaces made and not yet removed."""

@@ -9,6 +9,7 @@ from agent_backend.dispatch.backend import (
     Host,
     HostedResult,
     Output,
+    absolute_path,
 )
 from agent_backend.dispatch.builtin import BUILTIN_DEFINITIONS, builtin_tools
 from agent_backend.dispatch.dispatcher import Dispatcher, DispatcherStatistics
@@ -41,6 +42,7 @@ __all__ = [
     "Route",
     "Session",
     "ToolResult",
+    "absolute_path",
     "as_tool_call",
     "builtin_tools",
     "head_tail",

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, Self
 
+from agent_backend.dispatch.spec import ENV_NAME_PATTERN
 from agent_backend.errors import BackendUnavailable
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.tools import Tool
@@ -47,6 +50,7 @@ __all__ = [
     "Host",
     "HostedResult",
     "Output",
+    "absolute_path",
 ]
 
 
@@ -65,6 +69,16 @@ class Output:
 
 
 EMPTY_OUTPUT = Output(b"", 0, False)
+
+
+_ENV_NAME = re.compile(ENV_NAME_PATTERN)
+
+
+def absolute_path(path: str) -> str:
+    """``path``, refused unless absolute: a host's paths never depend on its working directory."""
+    if not posixpath.isabs(path):
+        raise ValueError(f"host paths must be absolute, got {path!r}")
+    return path
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -93,6 +107,9 @@ class Command:
             raise ValueError("argv must not be empty")
         if self.timeout <= 0:
             raise ValueError("timeout must be positive")
+        for name in self.env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"{name!r} is not a valid environment variable name")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -17,19 +16,15 @@ import asyncssh.encryption
 import pydantic
 
 from agent_backend.config import ConfigModel, ConfigPath
-from agent_backend.dispatch.spec import ENV_NAME_PATTERN, EnvName
+from agent_backend.dispatch.spec import EnvName
 
 __all__ = [
-    "ENV_NAME",
     "SSHHostConfig",
     "SSHHostSettings",
     "SSHHostStats",
     "SSHPoolConfig",
     "SSHStatistics",
 ]
-
-ENV_NAME = re.compile(ENV_NAME_PATTERN)
-"""An environment variable name the remote shell accepts in ``export NAME=...`` (the one rule)."""
 
 
 class SSHHostSettings(ConfigModel):

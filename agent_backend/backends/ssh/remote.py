@@ -24,7 +24,6 @@ import dataclasses
 import errno
 import logging
 import os
-import posixpath
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -34,9 +33,14 @@ import anyio
 import asyncssh
 
 from agent_backend.backends.ssh.channel import SSHConnection, _CommandChannel
-from agent_backend.backends.ssh.config import ENV_NAME
 from agent_backend.backends.ssh.pool import ConnectionPool
-from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData
+from agent_backend.dispatch.backend import (
+    Command,
+    CommandResult,
+    DirEntry,
+    FileData,
+    absolute_path,
+)
 from agent_backend.errors import BackendUnavailable, clip
 
 __all__ = [
@@ -128,10 +132,7 @@ def _prologue(
     Shell builtins only (no extra process, no extra SSH packet): without input,
     stdin is /dev/null rather than an EOF sent over the channel.
     """
-    merged = {**base_env, **env}
-    for name in merged:
-        if not ENV_NAME.match(name):
-            raise ValueError(f"{name!r} is not a valid environment variable name")
+    merged = {**base_env, **env}  # names checked by Command and by the pool's config
     exports = "".join(f"{name}={shlex.quote(value)} " for name, value in merged.items())
     parts = [f"export {exports}{CALL_VAR}={token}"]
     if not stdin:
@@ -207,12 +208,6 @@ RunScript = Callable[[Script], Awaitable[CommandResult]]
 """Runs a script on the host (a timeout raises ToolTimeout)."""
 
 
-def _absolute(path: str) -> str:
-    if not posixpath.isabs(path):
-        raise ValueError(f"remote paths must be absolute, got {path!r}")
-    return path
-
-
 class RemoteFiles:
     """The host's file operations, each one script run by ``run``."""
 
@@ -246,7 +241,7 @@ class RemoteFiles:
             raise self._error(result, path, "removing a workspace")
 
     async def realpath(self, path: str) -> str:
-        result = await self._run(Script(_REALPATH, (_absolute(path),), "realpath"))
+        result = await self._run(Script(_REALPATH, (absolute_path(path),), "realpath"))
         if result.exit_status != 0:
             raise self._error(result, path, "realpath")
         return result.stdout.data.decode("utf-8", "surrogateescape").removesuffix("\n")
@@ -255,7 +250,9 @@ class RemoteFiles:
         if limit < 0:
             raise ValueError("limit must be >= 0")
         result = await self._run(
-            Script(_READ_FILE, (_absolute(path), str(limit)), "reading a file", limit=limit + 64)
+            Script(
+                _READ_FILE, (absolute_path(path), str(limit)), "reading a file", limit=limit + 64
+            )
         )
         if result.exit_status != 0:
             raise self._error(result, path, "reading a file")
@@ -266,14 +263,14 @@ class RemoteFiles:
 
     async def write_file(self, path: str, data: bytes) -> None:
         result = await self._run(
-            Script(_WRITE_FILE, (_absolute(path),), "writing a file", stdin=data)
+            Script(_WRITE_FILE, (absolute_path(path),), "writing a file", stdin=data)
         )
         if result.exit_status != 0:
             raise self._error(result, path, "writing a file")
 
     async def list_dir(self, path: str) -> list[DirEntry]:
         result = await self._run(
-            Script(_LIST_DIR, (_absolute(path),), "listing a directory", limit=_LIST_LIMIT)
+            Script(_LIST_DIR, (absolute_path(path),), "listing a directory", limit=_LIST_LIMIT)
         )
         if result.exit_status != 0:
             raise self._error(result, path, "listing a directory")

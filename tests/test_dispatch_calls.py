@@ -418,7 +418,7 @@ class FakeHost(Host):
     async def list_dir(self, path: str) -> list[DirEntry]:
         raise WorkerLost("gone")
 
-    def load(self) -> int:
+    def calls_in_flight(self) -> int:
         return 0
 
 

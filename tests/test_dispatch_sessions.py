@@ -177,7 +177,7 @@ async def test_dispatcher_aclose_closes_sessions_and_ends_their_calls(
     assert session.is_closed()
     assert idle.is_closed()
     assert workspaces(root) == []
-    assert pool.host.load() == 0
+    assert pool.host.calls_in_flight() == 0
     await session.aclose()  # already closed: fine
     with pytest.raises(PoolClosed):
         dispatcher.session()

@@ -296,20 +296,20 @@ async def test_cancellation_ends_the_process_group(
             group.cancel_scope.cancel()
         assert await wait_dead(int(pid_file.read_text()), within=1.0)
         assert await no_process_left(f"sleep {duration}") == []
-        assert host.load() == 0
+        assert host.calls_in_flight() == 0
         assert target.idle()
         assert (await host.run(Command(argv=("true",), timeout=5))).exit_status == 0
 
 
-async def test_load_counts_the_calls_in_flight(target: Target) -> None:
+async def test_calls_in_flight_counts_the_running_calls(target: Target) -> None:
     host = target.host
     assert host.is_up()
-    assert host.load() == 0
+    assert host.calls_in_flight() == 0
     with anyio.fail_after(10):
         async with anyio.create_task_group() as group:
             group.start_soon(host.run, Command(argv=("sleep", "0.3"), timeout=5))
-            assert await wait_until(lambda: host.load() == 1, within=5)
-    assert host.load() == 0
+            assert await wait_until(lambda: host.calls_in_flight() == 1, within=5)
+    assert host.calls_in_flight() == 0
     assert target.idle()
 
 
@@ -422,7 +422,7 @@ async def test_closing_ends_the_calls_in_flight_and_refuses_new_ones(
             for pid_file in pid_files:
                 group.start_soon(call, pid_file)
             assert await wait_until(lambda: all(p.exists() for p in pid_files), within=10)
-            assert await wait_until(lambda: host.load() == 3, within=5)
+            assert await wait_until(lambda: host.calls_in_flight() == 3, within=5)
             started = time.monotonic()
             async with anyio.create_task_group() as closers:  # two at once: both wait for it
                 closers.start_soon(backend.aclose)

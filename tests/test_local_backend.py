@@ -150,7 +150,7 @@ async def test_cancellation_at_any_moment_leaks_no_process(host: LocalHost, tmp_
         pid_file = tmp_path / str(index)
         if pid_file.exists() and pid_file.read_text().strip():
             assert await wait_dead(int(pid_file.read_text()), within=1.0)
-    assert host.load() == 0
+    assert host.calls_in_flight() == 0
     import gc
 
     gc.collect()
@@ -232,7 +232,7 @@ async def test_max_concurrent_calls_queues_and_the_wait_counts_against_the_timeo
             await anyio.sleep(0.1)
             assert host.statistics().calls_active == 2
             assert host.statistics().calls_queued == 2
-            assert host.load() == 4
+            assert host.calls_in_flight() == 4
         elapsed = time.monotonic() - started
     # Two ran at once; the other two waited 0.4 s of their 0.6 s and timed out.
     assert sorted(r.timed_out for r in results) == [False, False, True, True]

@@ -159,7 +159,7 @@ class LocalHost(Host):
     def is_up(self) -> bool:
         return not self._closing
 
-    def load(self) -> int:
+    def calls_in_flight(self) -> int:
         return self._active + self._queued
 
     def statistics(self) -> LocalStatistics:

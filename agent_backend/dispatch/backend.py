@@ -200,7 +200,7 @@ class Host(abc.ABC):
     async def list_dir(self, path: str) -> list[DirEntry]: ...
 
     @abc.abstractmethod
-    def load(self) -> int:
+    def calls_in_flight(self) -> int:
         """Calls in flight on this host now, for least-loaded placement."""
 
     def is_up(self) -> bool:
@@ -238,7 +238,7 @@ class Backend(AsyncResource):
         up = [host for host in self.hosts if host.is_up()]
         if not up:
             raise BackendUnavailable(f"no {self.kind} host is up", backend=self.kind)
-        return min(up, key=lambda host: host.load())
+        return min(up, key=lambda host: host.calls_in_flight())
 
     def hosted_tools(self) -> Sequence[Tool]:
         """The tools the backend's workers run themselves (known once it is open); () here."""

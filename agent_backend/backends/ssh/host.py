@@ -97,7 +97,7 @@ class SSHHost(Host):
     def is_closed(self) -> bool:
         return self.pool.state in ("closing", "closed")
 
-    def load(self) -> int:
+    def calls_in_flight(self) -> int:
         """Calls in flight: holding a channel slot, or queued for one."""
         return self.pool.table.active_leases() + self.pool.queued()
 

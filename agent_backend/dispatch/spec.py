@@ -26,13 +26,12 @@ what was expected) that every config reader here raises. Pure: no I/O.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import pydantic
 
+from agent_backend.config import ConfigModel
 from agent_backend.errors import ConfigError, clip
 from agent_backend.tools import EXECUTION_BLOCK, POOL_KEY, Tool
 
@@ -65,10 +64,8 @@ EnvName = Annotated[str, pydantic.StringConstraints(pattern=ENV_NAME_PATTERN)]
 """A str that follows :data:`ENV_NAME_PATTERN`, as a pydantic field type."""
 
 
-class ExecutionSpec(pydantic.BaseModel):
+class ExecutionSpec(ConfigModel):
     """The ``x-agent-backend`` block of a tool definition. Every key is optional."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     builtin: BuiltinName | None = None
     """Run one of dispatch's built-in tools."""
@@ -210,16 +207,3 @@ def execution_kind(tool: Tool, spec: ExecutionSpec) -> ExecutionKind:
             expected="exactly one of a Python function, 'command' and 'builtin'",
         )
     return ways[0]
-
-
-def config_path(value: str, info: pydantic.ValidationInfo) -> str:
-    """A path from a pool file: ``~`` expanded, a relative path taken from the file's directory.
-
-    ``load_pool`` passes the directory as ``config_dir`` in the validation
-    context; without one (a config built in code) the working directory is used.
-    """
-    path = Path(value).expanduser()
-    if not path.is_absolute():
-        base = (info.context or {}).get("config_dir")
-        path = Path(base) / path if base is not None else Path.cwd() / path
-    return os.fspath(path)

@@ -4,6 +4,7 @@ Modules:
 
 * :mod:`~agent_backend.backends.ray.config`: :class:`RayPoolConfig` (``type = "ray"``), pure data.
 * :mod:`~agent_backend.backends.ray.backend`: :class:`RayBackend`, the tool pool.
+* :mod:`~agent_backend.backends.ray.reports`: what the pool reports (results, actors, statistics).
 * :mod:`~agent_backend.backends.ray.actor`: what runs inside each tool actor.
 * :mod:`~agent_backend.backends.ray.supervisor`: a pool of actors' lifecycle and queue.
 * :mod:`~agent_backend.backends.ray.replicas`: which actor serves each replica, their faults.

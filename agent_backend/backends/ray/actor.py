@@ -11,7 +11,7 @@ Errors come back as values, never raised through Ray: the project's own
 errors when they pickle, everything else as
 :class:`~agent_backend.errors.ToolFailed` built from strings and an int
 (type, message, HTTP status, traceback). So an exception that holds a lock,
-a socket or aiohttp's header proxies can never break the boundary (PITFALLS 16).
+a socket or aiohttp's header proxies can never fail to unpickle on the other side.
 
 This module must never hold driver state or import the driver's modules
 itself (``backend``, ``supervisor``): it is what Ray imports on every node.

@@ -5,6 +5,7 @@ The package, one job per module:
 * :mod:`.config`: the pydantic pool and host configuration, and the statistics;
 * :mod:`.pool`: one host's connection pool, a synchronous lease/reap/reconnect
   state machine that does its I/O through a connector (testable without a network);
+* :mod:`.ramp`: the pacing of new handshakes (slots, spacing, backoff after failures);
 * :mod:`.channel`: asyncssh: the connector, and the protocol of one command channel;
 * :mod:`.remote`: command lines, the kill script, file operations as shell scripts;
 * :mod:`.host`: :class:`SSHHost`, calls, remote kills and orphans;

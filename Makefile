@@ -47,7 +47,7 @@ system-deps:
 	bash scripts/ensure-system-deps.sh test
 
 # vLLM's CPU build in its own venv (.venv-vllm), for the tests against a real policy server
-# (tests/vllm_server.py). Under CI=true a failed install fails; elsewhere those tests skip.
+# (tests/support/vllm_server.py). Under CI=true a failed install fails; elsewhere those tests skip.
 vllm-env:
 	@bash scripts/ensure-vllm-env.sh || { \
 	  if [ "$${CI:-}" = "true" ]; then exit 1; fi; \

@@ -52,8 +52,8 @@ import anyio.lowlevel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from policy_server import END, encode, render  # noqa: E402
-from sshd import SSHServer, generate_keys, sshd_missing_reason  # noqa: E402
+from support.policy_server import END, encode, render  # noqa: E402
+from support.sshd import SSHServer, generate_keys, sshd_missing_reason  # noqa: E402
 
 from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig  # noqa: E402
 from agent_backend.dispatch import Backend, Dispatcher, builtin_tools  # noqa: E402

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/rollout_resume_bench.py [--kills N] [--prompts P] [--seed S] [--quick]
 
-Runs tests/ledger_crash_worker.py's synthetic rollout + train loop (the real
+Runs tests/support/ledger_crash_worker.py's synthetic rollout + train loop (the real
 ResumeLedger and JsonlWriter, groups dropped as stale, a simulated trainer
 whose state is checkpointed in the ledger's file) in child processes and
 kills them with SIGKILL, then resumes, until the run completes; repeats over
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from ledger_crash_worker import Run, crash_resume  # noqa: E402
+from support.ledger_crash_worker import Run, crash_resume  # noqa: E402
 
 
 def verdict(ok: bool) -> str:

@@ -3,8 +3,8 @@
     .venv/bin/python bench/rollout_vllm_bench.py [--quick] [--rounds N] [--concurrency 1,16,64]
                                                  [--peer-http aiohttp|httpx]
 
-One vLLM server (``.venv-vllm``, tests/vllm_server.py; the tiny random model of
-tests/tiny_model.py, ``--max-num-seqs 64`` so that 64 episodes really decode
+One vLLM server (``.venv-vllm``, tests/support/vllm_server.py; the tiny random model of
+tests/support/tiny_model.py, ``--max-num-seqs 64`` so that 64 episodes really decode
 at once) serves both sides. Each episode has two turns: the first is guided
 (``structured_outputs``: one ``exec`` call ``echo WORD``), the second samples
 freely; every request carries a seed that is a function of its prompt ids, so
@@ -80,8 +80,8 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from tiny_model import build_tiny_model  # noqa: E402
-from vllm_server import VLLMServer, VLLMStartError, launched_vllm  # noqa: E402
+from support.tiny_model import build_tiny_model  # noqa: E402
+from support.vllm_server import VLLMServer, VLLMStartError, launched_vllm  # noqa: E402
 
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool  # noqa: E402
 from agent_backend.rollout import (  # noqa: E402
@@ -130,7 +130,7 @@ CONCURRENCY = (1, 16, 64)
 MIN_EPISODES = 8  # per round: at concurrency 1, eight episodes one after the other
 MAX_NUM_SEQS = 64
 # Every prompt prefilled in one step: on CPU a seeded request whose prefill is chunked kills
-# the engine ("CPU Generator does not use offset"; see tests/vllm_server.py).
+# the engine ("CPU Generator does not use offset"; see tests/support/vllm_server.py).
 BATCHED_TOKENS = 32768
 PROMPT_LENGTH = 1024
 RESPONSE_LENGTH = 512

@@ -42,7 +42,7 @@ import jsonschema  # noqa: E402
 import jsonschema_rs  # noqa: E402
 import orjson  # noqa: E402
 import pydantic  # noqa: E402
-from realworld import (  # noqa: E402
+from support.realworld import (  # noqa: E402
     bfcl_cases,
     bfcl_round_trip,
     corrupt,
@@ -352,7 +352,7 @@ def main() -> int:
             )
         )
 
-    from jsts_suite import run_equivalence
+    from support.jsts_suite import run_equivalence
 
     suite = run_equivalence()
     print("\n== JSON Schema test suite: original vs resolved verdicts ==")

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ssh_bench.py [--rounds N] [--quick] [--callers 1,8,64] [--target pool]
 
-Starts its own OpenSSH sshd on 127.0.0.1 (``tests/sshd.py``: temp keys,
+Starts its own OpenSSH sshd on 127.0.0.1 (``tests/support/sshd.py``: temp keys,
 verified host key) and measures ``true`` run remotely, at 1, 8 and 64
 concurrent callers, interleaved round by round so that machine noise hits
 every arrangement alike:
@@ -54,7 +54,7 @@ import asyncssh
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from sshd import SSHServer, generate_keys, sshd_missing_reason  # noqa: E402
+from support.sshd import SSHServer, generate_keys, sshd_missing_reason  # noqa: E402
 
 from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig  # noqa: E402
 from agent_backend.dispatch.backend import Command  # noqa: E402

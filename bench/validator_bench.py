@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import jsonschema  # noqa: E402
 import jsonschema_rs  # noqa: E402
-from jsts_suite import SUITE_DIR  # noqa: E402
-from realworld import bfcl_cases, realworld_missing_reason  # noqa: E402
+from support.jsts_suite import SUITE_DIR  # noqa: E402
+from support.realworld import bfcl_cases, realworld_missing_reason  # noqa: E402
 
 Compile = Callable[[dict[str, Any]], Callable[[Any], bool]]
 

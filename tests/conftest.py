@@ -1,6 +1,6 @@
 """Shared fixtures. Async tests use anyio on asyncio (asyncssh runs on asyncio only).
 
-The SSH fixtures start a real OpenSSH ``sshd`` on 127.0.0.1 (see ``tests/sshd.py``).
+The SSH fixtures start a real OpenSSH ``sshd`` on 127.0.0.1 (see ``tests/support/sshd.py``).
 Without sshd they skip, except under ``CI=true``, where a missing sshd fails the run.
 """
 
@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
-from vllm_server import start_vllm_server
+from support.sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
+from support.vllm_server import start_vllm_server
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from realworld import bfcl_round_trip, realworld_missing_reason
+from support.realworld import bfcl_round_trip, realworld_missing_reason
 
 missing = realworld_missing_reason()
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from daemon_fixtures import TOKEN, Daemon, daemon_fixture  # noqa: F401
-from sshd import free_port
+from support.daemon_fixtures import TOKEN, Daemon, daemon_fixture  # noqa: F401
+from support.sshd import free_port
 from typer.testing import CliRunner
 
 from agent_backend.cli import app
@@ -86,7 +86,7 @@ def test_pool_check_reports_each_host(tmp_path: Path) -> None:
 
 def test_pool_check_on_a_real_ssh_pool(sshd: Any, tmp_path: Path) -> None:
     """One host that answers (a real sshd on loopback), one that does not."""
-    from sshd import free_port
+    from support.sshd import free_port
 
     lines = ['type = "ssh"', "connect_timeout = 3", "connect_retries = 0"]
     for port in (sshd.port, free_port()):

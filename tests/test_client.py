@@ -10,7 +10,7 @@ from typing import Any
 
 import anyio
 import pytest
-from daemon_fixtures import Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
+from support.daemon_fixtures import Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
 
 from agent_backend import errors
 from agent_backend.client import Client, SyncClient

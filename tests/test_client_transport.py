@@ -20,8 +20,8 @@ import anyio
 import anyio.abc
 import pytest
 from anyio.abc import SocketAttribute
-from daemon_fixtures import TALLY, Daemon, daemon_fixture  # noqa: F401
-from tcp_proxy import TCPProxy, reset_on_close
+from support.daemon_fixtures import TALLY, Daemon, daemon_fixture  # noqa: F401
+from support.tcp_proxy import TCPProxy, reset_on_close
 
 from agent_backend.client import Client
 from agent_backend.errors import BackendUnavailable, PoolClosed

@@ -7,7 +7,7 @@ import uuid
 import anyio
 import httpx
 import pytest
-from daemon_fixtures import OTHER_TOKEN, TALLY, Daemon, daemon_fixture  # noqa: F401
+from support.daemon_fixtures import OTHER_TOKEN, TALLY, Daemon, daemon_fixture  # noqa: F401
 
 from agent_backend.daemon.idempotency import IdempotencyStore, StoredResponse, fingerprint
 

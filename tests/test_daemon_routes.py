@@ -6,7 +6,7 @@ import time
 
 import httpx
 import pytest
-from daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
+from support.daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, make_registry, start_daemon  # noqa: F401
 
 from agent_backend.daemon import DaemonSettings, create_app
 from agent_backend.dispatch import Dispatcher

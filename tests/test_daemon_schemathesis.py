@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import schemathesis
-from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import response_schema_conformance, status_code_conformance
+from support.daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 
 MAX_EXAMPLES = 20
 

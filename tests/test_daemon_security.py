@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
-from daemon_fixtures import OTHER_TOKEN, TALLY, TOKEN, Daemon, daemon_fixture, start_daemon  # noqa: F401
+from support.daemon_fixtures import OTHER_TOKEN, TALLY, TOKEN, Daemon, daemon_fixture, start_daemon  # noqa: F401
 
 from agent_backend.daemon import DaemonServer, DaemonSettings, is_loopback, load_token
 from agent_backend.dispatch import Dispatcher

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proc_helpers import pid_alive
+from support.proc_helpers import pid_alive
 
 TOKEN = "shutdown-token-" + "s" * 20
 GRACE = 2.0

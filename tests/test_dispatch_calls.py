@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import anyio
 import anyio.lowlevel
 import pytest
-from proc_helpers import wait_dead
+from support.proc_helpers import wait_dead
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch import (

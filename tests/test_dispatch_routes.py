@@ -17,11 +17,17 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from daemon_fixtures import TOKEN
-from policy_server import PolicyServer, Reply, Turn, leftover_workspaces, policy_server_fixture
-from ray_fixtures import RayCluster, pool_config, ray_cluster
-from ssh_helpers import backend_for
-from sshd import SSHServer
+from support.daemon_fixtures import TOKEN
+from support.policy_server import (
+    PolicyServer,
+    Reply,
+    Turn,
+    leftover_workspaces,
+    policy_server_fixture,
+)
+from support.ray_fixtures import RayCluster, pool_config, ray_cluster
+from support.ssh_helpers import backend_for
+from support.sshd import SSHServer
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.backends.ssh import SSHHostConfig, SSHPoolConfig
@@ -283,7 +289,7 @@ def mixed_registry() -> ToolRegistry:
 
 
 def ray_config() -> Any:
-    return pool_config("ray_tools:echo", "ray_tools:whoami", name="routes")
+    return pool_config("support.ray_tools:echo", "support.ray_tools:whoami", name="routes")
 
 
 def ssh_config(sshd: SSHServer, root: Path) -> Any:

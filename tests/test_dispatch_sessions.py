@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from proc_helpers import entries, slow_local_disk, wait_dead
+from support.proc_helpers import entries, slow_local_disk, wait_dead
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch import Dispatcher, Session, builtin_tools

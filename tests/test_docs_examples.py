@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_fixtures import start_daemon
-from tiny_model import build_tiny_model
+from support.daemon_fixtures import start_daemon
+from support.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -28,9 +28,15 @@ from typing import Any
 
 import anyio
 import pytest
-from proc_helpers import wait_dead
-from ssh_helpers import backend_for, kill_leftovers, no_process_left, unique_duration, wait_until
-from sshd import SSHServer
+from support.proc_helpers import wait_dead
+from support.ssh_helpers import (
+    backend_for,
+    kill_leftovers,
+    no_process_left,
+    unique_duration,
+    wait_until,
+)
+from support.sshd import SSHServer
 
 from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig

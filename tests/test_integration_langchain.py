@@ -18,8 +18,8 @@ from typing import Any
 import anyio
 import pydantic
 import pytest
-from proc_helpers import wait_dead
-from toolset_fixtures import (
+from support.proc_helpers import wait_dead
+from support.toolset_fixtures import (
     OUTAGE,
     OUTPUT_LIMIT,
     Backend,

@@ -29,7 +29,7 @@ that commit asserts and builds:
   GDPO's ``reward/<name>`` components (``nemo_rl/algorithms/utils.py``).
 
 Everything else is real: episodes run by the rollout pool with token-in/token-out over the
-tiny model's tokenizer (tests/tiny_model.py), tools on the local pool. The sampler is
+tiny model's tokenizer (tests/support/tiny_model.py), tools on the local pool. The sampler is
 scripted (it answers each prompt with the ids its task's script says): the fault matrix.
 """
 
@@ -45,8 +45,8 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from policy_server import leftover_workspaces, local_dispatcher
-from tiny_model import build_tiny_model
+from support.policy_server import leftover_workspaces, local_dispatcher
+from support.tiny_model import build_tiny_model
 
 from agent_backend.errors import PolicyError
 from agent_backend.integrations.nemo_rl import (

@@ -5,7 +5,7 @@ What is real: SkyRL's classes and functions (``InferenceEngineInterface``,
 ``validate_generator_output``, ``concatenate_generator_outputs``, and its trainer's
 ``postprocess_generator_output``, ``convert_to_training_input`` and
 ``compute_advantages_and_returns``), the tiny model's tokenizer and chat templates
-(tests/tiny_model.py), the local tool pool, the episode loop and the rollout pool. What
+(tests/support/tiny_model.py), the local tool pool, the episode loop and the rollout pool. What
 is scripted: the inference engine behind SkyRL's ``InferenceEngineInterface`` (vLLM on
 a GPU cannot run here). It answers each prompt with the token ids its task's script
 says, which is how the fault matrix is injected. The trainer's methods run on a
@@ -34,9 +34,9 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from policy_server import leftover_workspaces, local_dispatcher
-from tiny_model import build_tiny_model
-from vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
+from support.policy_server import leftover_workspaces, local_dispatcher
+from support.tiny_model import build_tiny_model
+from support.vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
 
 from agent_backend import DEFAULT_POOL, ToolRegistry
 from agent_backend.errors import PolicyError, RolloutError
@@ -78,7 +78,7 @@ EPISODE = EpisodeConfig(max_turns=3, timeout=6.0, tool_timeout=1.0, max_tool_fai
 def without_ray() -> Iterator[None]:
     """skyrl's trainer code syncs its registries to a Ray actor whenever Ray is initialized.
 
-    The session's test cluster (tests/ray_fixtures.py, started by whichever module needs it
+    The session's test cluster (tests/support/ray_fixtures.py, started by whichever module needs it
     first) would make it do so here, and that actor's import of ``skyrl.tinker.types`` fails on
     Python 3.11 (a ``typing.TypedDict`` pydantic refuses before 3.12). These tests run skyrl's
     trainer without Ray, as on a single CPU box; the next module that needs Ray starts it again.
@@ -622,7 +622,7 @@ async def test_on_skyrls_http_client_and_a_real_vllm(
     if probe.status_code in (403, 404):
         pytest.fail(
             "the vLLM test server has no /inference/v1/generate (SkyRL's token endpoint): "
-            "it needs --enable-scale-out (tests/vllm_server.py)"
+            "it needs --enable-scale-out (tests/support/vllm_server.py)"
         )
     output = await run_on_real_engines(
         vllm_server.url, vllm_server.model, vllm_server.model_dir, tmp_path / "ws"

@@ -1,6 +1,6 @@
 """TRL 1.16's real GRPOTrainer on CPU, its rollout_func an agent_backend TRLRollout.
 
-A tiny random Qwen2 (tests/tiny_model.py) trains for real: its episodes call ``exec`` on the
+A tiny random Qwen2 (tests/support/tiny_model.py) trains for real: its episodes call ``exec`` on the
 local pool, TRL's loss mask keeps the tool tokens out, and the weights move. The fault matrix
 runs through the same trainer: whatever happens to an episode, TRL gets exactly one row per
 prompt entry, in order, never an empty one.
@@ -18,8 +18,8 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 import pytest
-from policy_server import leftover_workspaces
-from tiny_model import tiny_model_dir_fixture
+from support.policy_server import leftover_workspaces
+from support.tiny_model import tiny_model_dir_fixture
 
 from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
 from agent_backend.dispatch import builtin_tools

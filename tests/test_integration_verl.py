@@ -7,7 +7,7 @@ training), and post-processes the outputs into a ``DataProto`` (padding,
 ``rm_scores``, extra columns), which is unioned with the trainer's own batch
 (its ``uid``) by ``DataProto.union``. The tools run for real on the local
 pool. The only stand-in is the policy: verl's ``server_manager`` is replaced
-by a tiny random Qwen2 model (tests/tiny_model.py) on CPU that takes token
+by a tiny random Qwen2 model (tests/support/tiny_model.py) on CPU that takes token
 ids and returns token ids with the model's own logprobs; it samples freely,
 or scores a scripted completion (the tool calls a test needs), chosen by a
 ``case:NAME`` marker in the prompt.
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tiny_model import tiny_model_dir_fixture
+from support.tiny_model import tiny_model_dir_fixture
 
 from agent_backend.errors import NonFiniteLogprobs
 from agent_backend.integrations.verl import (

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from proc_helpers import entries, rss_bytes, slow_local_disk, wait_dead
-from ssh_helpers import wait_until
+from support.proc_helpers import entries, rss_bytes, slow_local_disk, wait_dead
+from support.ssh_helpers import wait_until
 
 from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from ssh_helpers import wait_until
+from support.ssh_helpers import wait_until
 
 from agent_backend.backends import local_owner
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 import pytest
-from ssh_helpers import wait_until
+from support.ssh_helpers import wait_until
 
 from agent_backend.backends.local_workspaces import THREADS, WorkspaceKeeper
 from agent_backend.errors import PoolClosed

@@ -11,8 +11,8 @@ import httpx2
 import mcp
 import mcp_types as types
 import pytest
-from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 from mcp.client.streamable_http import streamable_http_client
+from support.daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
 
 from agent_backend.dispatch import ToolResult
 from agent_backend.errors import PoolClosed

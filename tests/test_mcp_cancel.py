@@ -22,10 +22,10 @@ import httpx
 import httpx2
 import mcp
 import pytest
-from daemon_fixtures import ROOT, Daemon, daemon_fixture  # noqa: F401
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from proc_helpers import pid_alive
+from support.daemon_fixtures import ROOT, Daemon, daemon_fixture  # noqa: F401
+from support.proc_helpers import pid_alive
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 

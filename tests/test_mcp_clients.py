@@ -5,7 +5,7 @@ Clients: the MCP SDK 2.x (``mcp.Client``), the MCP SDK 1.x (``ClientSession``, i
 (``use_structured_content`` off and on) and LangChain (langchain-mcp-adapters, in
 ``.venv-mcp1`` since it requires ``mcp<2``). Transports: ``agent-backend mcp`` over stdio, and
 the daemon's ``/mcp`` over streamable HTTP with the token in an Authorization header. Cells
-and what each must show are in ``tests/mcp_client_cells.py``.
+and what each must show are in ``tests/support/mcp_client_cells.py``.
 
 The clients in ``.venv-mcp1`` and the Inspector are set up by scripts/ensure-mcp-clients.sh
 (``make pytest`` runs it). A missing client skips its tests with the reason, except under
@@ -26,17 +26,17 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import anyio
-import mcp_client_cells as cells
 import pytest
-from daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
-from mcp_client_cells import CELLS, ROOT, Outcome, Scenario, Server
-from mcp_client_inspector import Inspector
-from mcp_client_inspector import missing_reason as inspector_missing
+from support import mcp_client_cells as cells
+from support.daemon_fixtures import Daemon, daemon_fixture  # noqa: F401
+from support.mcp_client_cells import CELLS, ROOT, Outcome, Scenario, Server
+from support.mcp_client_inspector import Inspector
+from support.mcp_client_inspector import missing_reason as inspector_missing
 
 pytestmark = pytest.mark.anyio
 
 V1_PYTHON = ROOT / ".venv-mcp1" / "bin" / "python"
-V1_WORKER = Path(__file__).with_name("mcp_client_v1.py")
+V1_WORKER = Path(__file__).parent / "support" / "mcp_client_v1.py"
 #: Seconds the .venv-mcp1 worker may take for one scenario.
 V1_TIMEOUT = 90.0
 
@@ -70,7 +70,7 @@ def _require_module(name: str, extra: str) -> None:
 
 
 class V1Worker:
-    """``tests/mcp_client_v1.py`` running in ``.venv-mcp1``: one JSON line in, one out."""
+    """``tests/support/mcp_client_v1.py`` running in ``.venv-mcp1``: one JSON line in, one out."""
 
     def __init__(self, log: Path) -> None:
         self.log_path = log
@@ -171,7 +171,7 @@ def _v1_driver(client: str, request: pytest.FixtureRequest) -> Driver:
 def _driver(
     client: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> tuple[Driver, Inspector | None]:
-    import mcp_client_inproc as inproc
+    from support import mcp_client_inproc as inproc
 
     if client == "mcp2":
         return inproc.run_mcp2, None
@@ -229,7 +229,7 @@ async def test_pydantic_ai_test_model(transport: str, request: pytest.FixtureReq
     get a successful run. (read_file is left out: the calls run concurrently, so the file it
     reads may not be written yet.)"""
     _require_module("pydantic_ai", "pydantic-ai")
-    from mcp_client_inproc import run_pydantic_ai_test_model
+    from support.mcp_client_inproc import run_pydantic_ai_test_model
 
     tools = ["exec", "write_file", "list_dir"]
     outcome = await run_pydantic_ai_test_model(_server(transport, request), tools=tools)

@@ -17,9 +17,9 @@ import httpx
 import httpx2
 import mcp
 import pytest
-from daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, start_daemon  # noqa: F401
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from support.daemon_fixtures import OTHER_TOKEN, Daemon, daemon_fixture, start_daemon  # noqa: F401
 
 from agent_backend.mcp import RESULT_META_KEY, SERVED_VERSIONS
 

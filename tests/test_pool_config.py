@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ray_fixtures import require_ray
+from support.ray_fixtures import require_ray
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.backends.ssh import SSHHostConfig, SSHHostSettings, SSHPoolConfig

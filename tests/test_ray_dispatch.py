@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 import pytest
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
+from support.ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -30,12 +30,12 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
 
 TOOLS = (
-    "ray_tools:echo",
-    "ray_tools:hold",
-    "ray_tools:make_array",
-    "ray_tools:inspect_payload",
-    "ray_tools:raise_http",
-    "ray_tools:whoami",
+    "support.ray_tools:echo",
+    "support.ray_tools:hold",
+    "support.ray_tools:make_array",
+    "support.ray_tools:inspect_payload",
+    "support.ray_tools:raise_http",
+    "support.ray_tools:whoami",
 )
 
 
@@ -170,7 +170,7 @@ async def test_a_registry_tool_named_like_a_pool_tool_is_refused(pool: RayBacken
 
 
 async def test_a_pool_must_be_open_before_a_dispatcher_takes_it(ray_cluster: RayCluster) -> None:
-    backend = RayBackend.from_config(pool_config("ray_tools:echo", name="unopened"))
+    backend = RayBackend.from_config(pool_config("support.ray_tools:echo", name="unopened"))
     with pytest.raises(PoolError, match="open it"):
         Dispatcher(ToolRegistry(), backend)
     await backend.aclose()
@@ -207,9 +207,9 @@ async def test_an_actor_killed_mid_call_raises_worker_lost_through_the_dispatche
 ) -> None:
     """Infrastructure, not the model's doing: raised (typed, named), and the session survives."""
     config = pool_config(
-        "ray_tools:hold",
-        "ray_tools:echo",
-        {"function": "ray_tools:hold", "name": "hold_again", "idempotent": True},
+        "support.ray_tools:hold",
+        "support.ray_tools:echo",
+        {"function": "support.ray_tools:hold", "name": "hold_again", "idempotent": True},
         name="dfault",
         replicas=2,
         max_restarts=2,

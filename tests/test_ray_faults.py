@@ -13,11 +13,11 @@ from typing import Any
 
 import anyio
 import pytest
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
+from support.ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
-import ray_tools  # noqa: E402
+from support import ray_tools  # noqa: E402
 from test_public_api import ERROR_SAMPLES  # noqa: E402
 
 from agent_backend.backends.ray import RayBackend  # noqa: E402
@@ -40,13 +40,13 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def pool(ray_cluster: RayCluster) -> AsyncIterator[RayBackend]:
     config = pool_config(
-        "ray_tools:echo",
-        "ray_tools:raise_sample",
-        "ray_tools:raise_locked",
-        "ray_tools:raise_socket",
-        "ray_tools:raise_http",
-        "ray_tools:raise_wrapped_http",
-        "ray_tools:return_lock",
+        "support.ray_tools:echo",
+        "support.ray_tools:raise_sample",
+        "support.ray_tools:raise_locked",
+        "support.ray_tools:raise_socket",
+        "support.ray_tools:raise_http",
+        "support.ray_tools:raise_wrapped_http",
+        "support.ray_tools:return_lock",
     )
     async with RayBackend.from_config(config) as backend:
         yield backend
@@ -96,8 +96,8 @@ async def test_every_project_error_crosses_rays_own_exception_path(ray_cluster: 
 @pytest.mark.parametrize(
     ("tool", "error_type", "text"),
     [
-        ("raise_locked", "ray_tools.LockedError", "the reward server is locked"),
-        ("raise_socket", "ray_tools.SocketError", "the tool server hung up"),
+        ("raise_locked", "support.ray_tools.LockedError", "the reward server is locked"),
+        ("raise_socket", "support.ray_tools.SocketError", "the tool server hung up"),
     ],
 )
 async def test_unpicklable_exceptions_come_back_typed(
@@ -126,7 +126,7 @@ async def test_an_http_error_keeps_its_status_across_the_boundary(pool: RayBacke
         await pool.call("raise_http", {"status": 503})
     error = info.value
     assert error.status == 503  # infrastructure (5xx), not a data error
-    assert error.error_type == "ray_tools.ClientResponseError"
+    assert error.error_type == "support.ray_tools.ClientResponseError"
     assert "Service Unavailable" in error.message
     assert pickle.loads(pickle.dumps(error)).status == 503
 
@@ -158,9 +158,9 @@ async def test_killed_actors_are_evicted_replaced_and_gone_after_aclose(
     from ray._private import state
 
     config = pool_config(
-        "ray_tools:echo",
-        "ray_tools:hold",
-        {"function": "ray_tools:hold", "name": "hold_again", "idempotent": True},
+        "support.ray_tools:echo",
+        "support.ray_tools:hold",
+        {"function": "support.ray_tools:hold", "name": "hold_again", "idempotent": True},
         replicas=2,
         max_restarts=3,
         address=ray_cluster.address,  # joins the running cluster (this process's connection)
@@ -231,9 +231,9 @@ async def test_killed_actors_are_evicted_replaced_and_gone_after_aclose(
 
 async def test_restarts_are_bounded_and_then_calls_fail_fast(ray_cluster: RayCluster) -> None:
     config = pool_config(
-        "ray_tools:echo",
-        "ray_tools:crash",
-        "ray_tools:getenv",
+        "support.ray_tools:echo",
+        "support.ray_tools:crash",
+        "support.ray_tools:getenv",
         replicas=1,
         max_restarts=1,
         runtime_env={"env_vars": {"AGENT_BACKEND_TEST_ENV": "set by runtime_env"}},

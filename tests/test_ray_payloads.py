@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from proc_helpers import rss_bytes
-from ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
+from support.proc_helpers import rss_bytes
+from support.ray_fixtures import RayCluster, pool_config, ray_cluster, require_ray, settle
 
 ray = require_ray()
 
@@ -44,14 +44,14 @@ def anyio_backend() -> str:
 @pytest.fixture(scope="module")
 async def pool(ray_cluster: RayCluster) -> AsyncIterator[RayBackend]:
     config = pool_config(
-        "ray_tools:echo",
-        "ray_tools:make_array",
-        "ray_tools:make_matrix",
-        "ray_tools:make_bundle",
-        "ray_tools:make_bytes",
-        "ray_tools:inspect_payload",
-        "ray_tools:sum_payloads",
-        "ray_tools:whoami",
+        "support.ray_tools:echo",
+        "support.ray_tools:make_array",
+        "support.ray_tools:make_matrix",
+        "support.ray_tools:make_bundle",
+        "support.ray_tools:make_bytes",
+        "support.ray_tools:inspect_payload",
+        "support.ray_tools:sum_payloads",
+        "support.ray_tools:whoami",
         replicas=2,
         max_concurrency=2,
         max_restarts=1,
@@ -275,7 +275,7 @@ async def test_a_corrupt_payload_is_caught_by_verify(ray_cluster: RayCluster) ->
 
 
 async def test_aclose_releases_every_outstanding_payload(ray_cluster: RayCluster) -> None:
-    config = pool_config("ray_tools:make_array")
+    config = pool_config("support.ray_tools:make_array")
     async with RayBackend.from_config(config) as backend:
         payloads = [(await backend.call("make_array", {"n": MB})).payload for _ in range(3)]
         ids = [payload.id for payload in payloads if payload is not None]

@@ -16,7 +16,14 @@ from typing import Any
 import anyio
 import pydantic
 import pytest
-from ray_fixtures import TESTS_DIR, RayCluster, pool_config, ray_cluster, require_ray, settle
+from support.ray_fixtures import (
+    TESTS_DIR,
+    RayCluster,
+    pool_config,
+    ray_cluster,
+    require_ray,
+    settle,
+)
 
 ray = require_ray()
 
@@ -46,13 +53,13 @@ def anyio_backend() -> str:
 async def pool(ray_cluster: RayCluster) -> AsyncIterator[RayBackend]:
     """Two actors, two calls each at once: shared by the tests that leave it as they found it."""
     config = pool_config(
-        "ray_tools:echo",
-        "ray_tools:async_echo",
-        "ray_tools:whoami",
-        "ray_tools:hold",
-        "ray_tools:sync_hold",
-        {"function": "ray_tools:echo", "name": "gpu_echo", "num_gpus": 1},
-        {"function": "ray_tools:echo", "name": "a100_echo", "resources": {"A100": 1}},
+        "support.ray_tools:echo",
+        "support.ray_tools:async_echo",
+        "support.ray_tools:whoami",
+        "support.ray_tools:hold",
+        "support.ray_tools:sync_hold",
+        {"function": "support.ray_tools:echo", "name": "gpu_echo", "num_gpus": 1},
+        {"function": "support.ray_tools:echo", "name": "a100_echo", "resources": {"A100": 1}},
         replicas=2,
         max_concurrency=2,
     )
@@ -85,8 +92,13 @@ def test_every_config_field_has_a_docstring() -> None:
 
 
 def test_tools_accept_import_paths_and_tables() -> None:
-    config = pool_config("ray_tools:echo", {"function": "ray_tools:hold", "idempotent": True})
-    assert [t.function for t in config.tools] == ["ray_tools:echo", "ray_tools:hold"]
+    config = pool_config(
+        "support.ray_tools:echo", {"function": "support.ray_tools:hold", "idempotent": True}
+    )
+    assert [t.function for t in config.tools] == [
+        "support.ray_tools:echo",
+        "support.ray_tools:hold",
+    ]
     assert [t.idempotent for t in config.tools] == [False, True]
 
 
@@ -103,7 +115,7 @@ def test_tools_accept_import_paths_and_tables() -> None:
     ],
 )
 def test_bad_config_is_refused_at_the_key(overrides: dict[str, Any], key: str) -> None:
-    data = {"type": "ray", "tools": ["ray_tools:echo"], **overrides}
+    data = {"type": "ray", "tools": ["support.ray_tools:echo"], **overrides}
     with pytest.raises(pydantic.ValidationError) as info:
         RayPoolConfig.model_validate(data)
     locations = {".".join(str(p) for p in error["loc"]) for error in info.value.errors()}
@@ -260,7 +272,11 @@ async def test_whole_gpus_are_placed_and_visible_inside_the_actors(
     ray_cluster: RayCluster,
 ) -> None:
     config = pool_config(
-        "ray_tools:whoami", "ray_tools:hold", replicas=2, num_gpus=1, max_concurrency=1
+        "support.ray_tools:whoami",
+        "support.ray_tools:hold",
+        replicas=2,
+        num_gpus=1,
+        max_concurrency=1,
     )
     async with RayBackend.from_config(config) as backend:
         seen: list[dict[str, Any]] = []
@@ -311,7 +327,7 @@ async def test_a_failed_start_closes_the_pool_without_async_with(ray_cluster: Ra
 async def test_failed_tool_import_fails_start_with_the_key(ray_cluster: RayCluster) -> None:
     from agent_backend.errors import ConfigError
 
-    config = pool_config("ray_tools:echo", "ray_tools:does_not_exist")
+    config = pool_config("support.ray_tools:echo", "support.ray_tools:does_not_exist")
     with pytest.raises(ConfigError) as info:
         async with RayBackend.from_config(config):
             pass
@@ -334,12 +350,12 @@ _DRIVER = textwrap.dedent(
     async def main(address):
         # Run from tests/: Ray puts the driver's directory on its workers' sys.path.
         out = {}
-        joined = RayPoolConfig(address=address, num_cpus=0.1, tools=["ray_tools:echo"],
+        joined = RayPoolConfig(address=address, num_cpus=0.1, tools=["support.ray_tools:echo"],
                                log_to_driver=False)
         async with RayBackend.from_config(joined) as pool:
             out["joined_echo"] = (await pool.call("echo", {"text": "joined"})).value
         out["joined_connected_after"] = ray.is_initialized()
-        local = RayPoolConfig(num_cpus=0.1, tools=["ray_tools:echo"],
+        local = RayPoolConfig(num_cpus=0.1, tools=["support.ray_tools:echo"],
                               local={"num_cpus": 1, "object_store_memory": 80 * 2**20},
                               log_to_driver=False)
         async with RayBackend.from_config(local) as pool:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import jsts_suite
 import pytest
+from support import jsts_suite
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from policy_server import (
+from support.policy_server import (
     PolicyServer,
     Reply,
     Turn,
     leftover_workspaces,
     policy_server_fixture,
 )
-from ray_fixtures import TESTS_DIR, ray_cluster
+from support.ray_fixtures import TESTS_DIR, ray_cluster
 from typer.testing import CliRunner
 
 from agent_backend.rollout.cli import ledger_path
@@ -234,7 +234,7 @@ def test_a_server_without_logprobs_fails_the_run(
 
 
 def test_a_dead_server_fails_the_run(tmp_path: Path) -> None:
-    from sshd import free_port
+    from support.sshd import free_port
 
     write_prompts(tmp_path / "prompts.jsonl", 30)
 
@@ -275,7 +275,7 @@ def test_a_ray_pool_file_scales_out_to_ray_workers(
                 "max_concurrency = 4",
                 "start_timeout = 120",
                 "log_to_driver = false",
-                'tools = ["ray_tools:echo"]',
+                'tools = ["support.ray_tools:echo"]',
                 f'runtime_env = {{ env_vars = {{ PYTHONPATH = "{TESTS_DIR}" }} }}',
             ]
         )

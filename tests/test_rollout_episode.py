@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
-from policy_server import (
+from support.policy_server import (
     END,
     PolicyServer,
     Reply,
@@ -26,8 +26,8 @@ from policy_server import (
     render,
     rollout_registry,
 )
-from ssh_helpers import backend_for, kill_leftovers, no_process_left, unique_duration
-from sshd import SSHServer
+from support.ssh_helpers import backend_for, kill_leftovers, no_process_left, unique_duration
+from support.sshd import SSHServer
 
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import NonFiniteLogprobs

@@ -1,7 +1,7 @@
 """ResumeLedger: states, the resume cursor (never ahead of training, never pinned by a dropped
 prompt), atomic checkpoints, and SIGKILL.
 
-The crash tests run tests/ledger_crash_worker.py's synthetic rollout + train
+The crash tests run tests/support/ledger_crash_worker.py's synthetic rollout + train
 loop in child processes, SIGKILL them at seeded random points, resume, and
 check that no prompt was skipped or trained twice.
 """
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from ledger_crash_worker import crash_resume
+from support.ledger_crash_worker import crash_resume
 
 from agent_backend.errors import LedgerError
 from agent_backend.rollout.ledger import LedgerStats, ResumeLedger

@@ -9,8 +9,8 @@ import time
 
 import anyio
 import pytest
-from policy_server import END, PolicyServer, Reply, encode, policy_server_fixture, render
-from sshd import free_port
+from support.policy_server import END, PolicyServer, Reply, encode, policy_server_fixture, render
+from support.sshd import free_port
 
 from agent_backend.errors import NonFiniteLogprobs, PolicyError
 from agent_backend.rollout.logprobs import NonFiniteCounters

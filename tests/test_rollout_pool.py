@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from policy_server import (
+from support.policy_server import (
     PolicyServer,
     Reply,
     Turn,
@@ -22,8 +22,8 @@ from policy_server import (
     policy_server_fixture,
     rollout_registry,
 )
-from ssh_helpers import backend_for
-from sshd import SSHServer
+from support.ssh_helpers import backend_for
+from support.sshd import SSHServer
 
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import NonFiniteLogprobs, RolloutError

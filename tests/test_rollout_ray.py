@@ -2,7 +2,7 @@
 killed mid-episode (evicted, replaced, only its episodes failed), no worker left (a clear
 error), and batches handed to a trainer's Ray actor as ObjectRefs, never fetched by the driver.
 
-The policy server is the scripted one (tests/policy_server.py); the tools run for real on each
+The policy server is the scripted one (tests/support/policy_server.py); the tools run for real on each
 worker's local pool.
 """
 
@@ -15,14 +15,14 @@ from typing import Any
 
 import anyio
 import pytest
-from policy_server import (
+from support.policy_server import (
     PolicyServer,
     Reply,
     Turn,
     leftover_workspaces,
     policy_server_fixture,
 )
-from ray_fixtures import RayCluster, ray_cluster, require_ray, settle, wait_for
+from support.ray_fixtures import RayCluster, ray_cluster, require_ray, settle, wait_for
 
 ray = require_ray()
 
@@ -66,7 +66,7 @@ def ray_workers(server: PolicyServer, model: str, root: Path, **overrides: Any) 
         "max_concurrency": 4,
         "start_timeout": 90,
         "log_to_driver": False,
-        "tools": ["ray_tools:echo"],
+        "tools": ["support.ray_tools:echo"],
     }
     settings.update(overrides)
     tool_pool = DEFAULT_POOL.model_copy(update={"workspace_root": str(root), "kill_grace": 0.5})

@@ -2,7 +2,7 @@
 
 The sampler here is scripted (the fault-injection stand-in for a server: it returns the ids
 it is told to); everything else is real: the tiny model's BPE tokenizer and chat templates
-(tests/tiny_model.py) through transformers, the local pool, the episode loop. The real
+(tests/support/tiny_model.py) through transformers, the local pool, the episode loop. The real
 server's side is tests/test_vllm_tokens.py.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 from aiohttp import web
-from policy_server import local_dispatcher
-from tiny_model import build_tiny_model
+from support.policy_server import local_dispatcher
+from support.tiny_model import build_tiny_model
 
 from agent_backend.errors import PolicyError
 from agent_backend.rollout import (

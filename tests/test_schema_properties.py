@@ -10,8 +10,8 @@ import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from realworld import corrupt, strict_equal
-from schema_strategies import instances
+from support.realworld import corrupt, strict_equal
+from support.schema_strategies import instances
 
 from agent_backend.errors import ToolArgumentError
 from agent_backend.schema import compile_schema

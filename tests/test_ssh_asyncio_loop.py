@@ -13,7 +13,7 @@ import time
 
 import anyio
 import pytest
-from ssh_helpers import (
+from support.ssh_helpers import (
     backend_for,
     kill_leftovers,
     no_process_left,
@@ -21,7 +21,7 @@ from ssh_helpers import (
     unique_duration,
     wait_until,
 )
-from sshd import SSHServer
+from support.sshd import SSHServer
 
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import AgentBackendError, WorkerLost

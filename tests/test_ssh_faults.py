@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import anyio
 import pytest
-from ssh_helpers import (
+from support.ssh_helpers import (
     backend_for,
     kill_leftovers,
     no_process_left,
@@ -20,8 +20,8 @@ from ssh_helpers import (
     unique_duration,
     wait_until,
 )
-from sshd import SSHServer
-from tcp_proxy import TCPProxy
+from support.sshd import SSHServer
+from support.tcp_proxy import TCPProxy
 
 from agent_backend.backends.ssh import SSHHostConfig, SSHPoolConfig
 from agent_backend.backends.ssh import pool as ssh_pool

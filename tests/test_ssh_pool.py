@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from ssh_helpers import (
+from support.ssh_helpers import (
     backend_for,
     kill_leftovers,
     no_process_left,
@@ -19,7 +19,7 @@ from ssh_helpers import (
     unique_duration,
     wait_until,
 )
-from sshd import SSHServer
+from support.sshd import SSHServer
 
 from agent_backend.backends.ssh import SSHBackend, SSHHost
 from agent_backend.dispatch.backend import Command

@@ -57,8 +57,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from ssh_helpers import backend_for, kill_leftovers, processes_matching, unique_duration
-from sshd import SSHServer
+from support.ssh_helpers import backend_for, kill_leftovers, processes_matching, unique_duration
+from support.sshd import SSHServer
 
 from agent_backend.backends.ssh import SSHBackend, SSHHost
 from agent_backend.backends.ssh.channel import SSHConnection

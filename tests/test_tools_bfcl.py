@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from realworld import BFCL, realworld_missing_reason
+from support.realworld import BFCL, realworld_missing_reason
 
 from agent_backend.errors import ToolArgumentError
 from agent_backend.tools import Tool, ToolCall, ToolRegistry, tool_from_definition

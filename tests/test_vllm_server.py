@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
+from support.vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
 
 # The first test to need the server also waits for its start-up.
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT + 60)

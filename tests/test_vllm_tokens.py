@@ -18,8 +18,8 @@ from typing import Annotated, Any
 
 import pydantic
 import pytest
-from policy_server import leftover_workspaces, local_dispatcher
-from vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
+from support.policy_server import leftover_workspaces, local_dispatcher
+from support.vllm_server import STARTUP_TIMEOUT, VLLMServer, vllm_server_fixture  # noqa: F401
 
 from agent_backend.rollout import (
     ChatTemplate,

@@ -4,7 +4,7 @@ The cluster is small on purpose (other suites share the machine): 2 logical
 CPUs, 2 logical GPUs (no real GPU is needed for placement and
 ``ray.get_gpu_ids()``), a 256 MB object store. Pools in the tests reserve
 fractions of a CPU so that several fit at once. Workers import the test
-tools (``tests/ray_tools.py``) through the job's code search path.
+tools (``tests/support/ray_tools.py``) through the job's code search path.
 
 Without Ray the Ray tests skip, except under ``CI=true``, where a missing
 Ray fails the run.
@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import pytest
 
-TESTS_DIR = str(Path(__file__).resolve().parent)
+TESTS_DIR = str(Path(__file__).resolve().parents[1])
 
 
 def require_ray() -> ModuleType:
@@ -89,7 +89,7 @@ def pool_config(*tools: Any, **overrides: Any) -> Any:
         "start_timeout": 60,
         "call_timeout": 30,
         "inline_limit": 128 * 1024,
-        "tools": tools or ("ray_tools:echo",),
+        "tools": tools or ("support.ray_tools:echo",),
     }
     settings.update(overrides)
     return RayPoolConfig.model_validate(settings)

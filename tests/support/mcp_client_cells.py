@@ -1,7 +1,7 @@
 """The MCP client matrix's cells: what each scenario sends, and what a user of any client must see.
 
-A driver per client (``tests/mcp_client_inproc.py`` for the clients in ``.venv``,
-``tests/mcp_client_v1.py`` for those that need the MCP SDK 1.x, ``tests/mcp_client_inspector.py``
+A driver per client (``tests/support/mcp_client_inproc.py`` for the clients in ``.venv``,
+``tests/support/mcp_client_v1.py`` for those that need the MCP SDK 1.x, ``tests/support/mcp_client_inspector.py``
 for the MCP Inspector) runs a scenario's calls in one MCP session and reports an
 :class:`Outcome`: the tools the client (or, for a framework, the model) was offered, and for
 each call the text that reached the model, whether it was flagged as an error, and its
@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import anyio
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BUILTINS = {"exec", "read_file", "write_file", "list_dir"}
 #: Bytes of output the dispatcher keeps by default (``Dispatcher(output_limit=...)``).
 OUTPUT_LIMIT = 16384

@@ -7,7 +7,7 @@
   tests do for their fake tool-calling model.
 
 A worker: it reads one JSON request per line on stdin (``{"id", "client", "server",
-"scenario"}``, shaped as in ``tests/mcp_client_cells.py``) and writes one JSON line per
+"scenario"}``, shaped as in ``tests/support/mcp_client_cells.py``) and writes one JSON line per
 request on stdout, ``{"id", "outcome"}``, or ``{"id", "crash": traceback}`` if the driver
 itself broke. It imports neither
 agent_backend nor pytest (neither is installed here), and writes nothing else to stdout:

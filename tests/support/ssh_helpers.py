@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from sshd import SSHServer
 
 from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig
 from agent_backend.dispatch.backend import Command
+from support.sshd import SSHServer
 
 _unique = itertools.count(1)
 

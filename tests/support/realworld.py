@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REALWORLD = Path(__file__).resolve().parents[1].parent / "shared" / "realworld"
+REALWORLD = Path(__file__).resolve().parents[2].parent / "shared" / "realworld"
 BFCL = REALWORLD / "bfcl"
 
 

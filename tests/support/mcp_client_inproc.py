@@ -2,8 +2,8 @@
 ``mcp.Client``, pydantic-ai's ``MCPToolset`` and the OpenAI Agents SDK's ``MCPServerStdio`` /
 ``MCPServerStreamableHttp``, each used the way its documentation shows.
 
-Each driver runs a :class:`~mcp_client_cells.Scenario` in one MCP session and returns an
-:class:`~mcp_client_cells.Outcome` (see ``tests/mcp_client_cells.py``). Frameworks are driven
+Each driver runs a :class:`~support.mcp_client_cells.Scenario` in one MCP session and returns an
+:class:`~support.mcp_client_cells.Outcome` (see ``tests/support/mcp_client_cells.py``). Frameworks are driven
 by their own test models (pydantic-ai's ``FunctionModel`` / ``TestModel``, the Agents SDK's
 ``agents.testing.ScriptedModel``) making scripted tool calls; what a step records is what
 the framework put in the model's next request. Drivers report; they never assert.
@@ -15,7 +15,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mcp_client_cells import Call, Outcome, Scenario, Server, Step
+from support.mcp_client_cells import Call, Outcome, Scenario, Server, Step
 
 
 def _raised(exc: BaseException) -> str:

@@ -24,13 +24,13 @@ from typing import NoReturn
 
 import anyio
 import pytest
-from daemon_fixtures import TOKEN
 
 from agent_backend import Client, Dispatcher, ToolRegistry
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import BackendUnavailable
+from support.daemon_fixtures import TOKEN
 
 #: Bytes of output the model sees per call.
 OUTPUT_LIMIT = 2048

@@ -28,7 +28,7 @@ Children are forked by a multiprocessing forkserver that has imported
 agent_backend once, so a life costs milliseconds instead of an interpreter
 start. As a script it runs the whole exercise::
 
-    .venv/bin/python tests/ledger_crash_worker.py [--prompts 200] [--seed 0] [--mode step]
+    .venv/bin/python tests/support/ledger_crash_worker.py [--prompts 200] [--seed 0] [--mode step]
 """
 
 from __future__ import annotations
@@ -342,5 +342,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for support.*
     raise SystemExit(main())

@@ -31,7 +31,7 @@ from agent_backend.errors import SchemaRefError
 from agent_backend.schema.refs import resolve_schema
 
 SUITE_DIR = (
-    Path(__file__).resolve().parents[1].parent / "shared" / "realworld" / "json-schema-test-suite"
+    Path(__file__).resolve().parents[2].parent / "shared" / "realworld" / "json-schema-test-suite"
 )
 
 FILES = (

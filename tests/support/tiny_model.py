@@ -298,7 +298,7 @@ else:
         return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-if __name__ == "__main__":  # python tests/tiny_model.py DIR [hermes|qwen3]
+if __name__ == "__main__":  # python tests/support/tiny_model.py DIR [hermes|qwen3]
     print(
         build_tiny_model(Path(sys.argv[1]), template=sys.argv[2] if len(sys.argv) > 2 else "hermes")
     )

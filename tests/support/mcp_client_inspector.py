@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-from mcp_client_cells import ROOT, Call, Outcome, Scenario, Server, Step
+
+from support.mcp_client_cells import ROOT, Call, Outcome, Scenario, Server, Step
 
 INSPECTOR_DIR = ROOT / ".mcp-clients" / "inspector"
 BIN = INSPECTOR_DIR / "node_modules" / ".bin"

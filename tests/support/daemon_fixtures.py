@@ -26,7 +26,7 @@ import pytest
 from agent_backend.daemon import DaemonServer, DaemonSettings, run_in_thread
 from agent_backend.tools import ToolRegistry
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token-" + "a" * 24
 OTHER_TOKEN = "other-token-" + "b" * 24
 #: Runs of the ``tally`` tool, per key.

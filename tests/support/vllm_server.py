@@ -36,7 +36,8 @@ from typing import IO
 
 import httpx
 import pytest
-from tiny_model import build_tiny_model
+
+from support.tiny_model import build_tiny_model
 
 __all__ = [
     "VLLMServer",
@@ -47,7 +48,7 @@ __all__ = [
     "vllm_server_fixture",
 ]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENV = REPO / ".venv-vllm"
 SERVED_MODEL = "tiny"
 # From launch to healthy: ~35 s on a quiet machine with --enforce-eager; far more when other

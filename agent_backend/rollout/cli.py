@@ -40,6 +40,7 @@ import typer
 from agent_backend.config import import_object
 from agent_backend.errors import AgentBackendError
 from agent_backend.resources import BUILTIN_TOOLS_DIR
+from agent_backend.rollout import defaults
 
 __all__ = ["ledger_path", "load_prompts", "rollout_command"]
 
@@ -52,6 +53,9 @@ class NonFinite(enum.StrEnum):
     mask = "mask"
     drop = "drop"
     fail = "fail"
+
+
+_NON_FINITE_DEFAULT = NonFinite(defaults.NON_FINITE)
 
 
 def ledger_path(out: Path) -> Path:
@@ -133,15 +137,21 @@ def rollout_command(
             dir_okay=False,
         ),
     ] = None,
-    n: Annotated[int, typer.Option("--n", help="Samples per prompt (GRPO group size).", min=1)] = 8,
+    n: Annotated[
+        int, typer.Option("--n", help="Samples per prompt (GRPO group size).", min=1)
+    ] = defaults.N,
     resume: Annotated[
         bool, typer.Option("--resume", help="Continue the run whose ledger is beside --out.")
     ] = False,
     model: Annotated[
         str | None, typer.Option(help="Served model name (default: the server's first).")
     ] = None,
-    max_turns: Annotated[int, typer.Option(help="Policy turns per episode.", min=1)] = 16,
-    concurrency: Annotated[int, typer.Option(help="Episodes running at once.", min=1)] = 64,
+    max_turns: Annotated[
+        int, typer.Option(help="Policy turns per episode.", min=1)
+    ] = defaults.MAX_TURNS,
+    concurrency: Annotated[
+        int, typer.Option(help="Episodes running at once.", min=1)
+    ] = defaults.CONCURRENCY,
     max_tokens: Annotated[
         int | None, typer.Option(help="Tokens one turn may sample.", min=1)
     ] = None,
@@ -150,15 +160,17 @@ def rollout_command(
     ] = None,
     episode_timeout: Annotated[
         float, typer.Option(help="Seconds one episode may take.", min=0.001)
-    ] = 600.0,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.", min=0.0)] = 1.0,
+    ] = defaults.EPISODE_TIMEOUT,
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature.", min=0.0)
+    ] = defaults.TEMPERATURE,
     top_logprobs: Annotated[
         int, typer.Option(help="Alternatives per token asked for (>= 1).", min=1)
-    ] = 1,
+    ] = defaults.TOP_LOGPROBS,
     non_finite: Annotated[
         NonFinite,
         typer.Option(help="NaN/inf logprobs: mask the token, drop the rollout, or fail the run."),
-    ] = NonFinite.fail,
+    ] = _NON_FINITE_DEFAULT,
     reward_command: Annotated[
         str | None,
         typer.Option(
@@ -178,10 +190,10 @@ def rollout_command(
     ] = None,
     request_timeout: Annotated[
         float, typer.Option(help="Seconds one request to the policy may take.", min=0.001)
-    ] = 300.0,
+    ] = defaults.REQUEST_TIMEOUT,
     max_retries: Annotated[
         int, typer.Option(help="Retries of a request on 5xx, timeouts, connection errors.", min=0)
-    ] = 4,
+    ] = defaults.MAX_RETRIES,
     tokenizer: Annotated[
         str | None,
         typer.Option(

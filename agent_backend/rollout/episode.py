@@ -63,6 +63,7 @@ from agent_backend.errors import (
     ToolTimeout,
     clip,
 )
+from agent_backend.rollout import defaults
 from agent_backend.rollout.policy import AssistantTurn, Policy
 from agent_backend.rollout.tokens import TokenPolicy
 from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
@@ -93,13 +94,13 @@ RewardValue: TypeAlias = float | Mapping[str, float]
 class EpisodeConfig:
     """Limits of one episode (all keyword, all optional)."""
 
-    max_turns: int = 16
+    max_turns: int = defaults.MAX_TURNS
     """Policy turns at most; tool calls of the last turn are not run (nobody would read them)."""
     max_tokens_per_turn: int | None = None
     """Tokens one turn may sample (the policy's own limit applies too)."""
     max_total_tokens: int | None = None
     """Token budget of the episode: prompt + completion (tool output included) of a segment."""
-    timeout: float | None = 600.0
+    timeout: float | None = defaults.EPISODE_TIMEOUT
     """Seconds the whole episode may take (policy, tools, reward); None: no limit."""
     tool_timeout: float | None = None
     """Seconds one tool call may take (None: the tool's or the dispatcher's default)."""
@@ -107,7 +108,7 @@ class EpisodeConfig:
     """End the episode with ``tool_error`` after this many failed tool results in a row."""
     parallel_tool_calls: bool = True
     """Run the calls of one turn concurrently (results stay in call order)."""
-    reward_timeout: float | None = 300.0
+    reward_timeout: float | None = defaults.REWARD_TIMEOUT
     """Seconds the reward may take."""
     failure_reward: float = 0.0
     """The reward of an episode that failed (timeout, tool_error, env_error, rollout_error)."""

@@ -52,6 +52,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, TypeAlias, Unpack, runtime_checkable
 
+from agent_backend.rollout import defaults
 from agent_backend.rollout.logprobs import (
     LogprobCheck,
     NonFiniteCounters,
@@ -183,7 +184,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         self,
         url: str,
         *,
-        non_finite: NonFinitePolicy = "fail",
+        non_finite: NonFinitePolicy = defaults.NON_FINITE,
         counters: NonFiniteCounters | None = None,
         **options: Unpack[ServerOptions],
     ) -> None:

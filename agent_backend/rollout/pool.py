@@ -66,6 +66,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import RolloutError
 from agent_backend.lifecycle import AsyncResource
+from agent_backend.rollout import defaults
 from agent_backend.rollout.bookkeeping import (
     FAILED_STOP_REASONS,
     Group,
@@ -133,8 +134,8 @@ class RolloutPool(AsyncResource):
         workers: EpisodeRunner | None = None,
         tools: ToolRegistry | Sequence[Mapping[str, Any]] | None = None,
         reward: RewardFunction | None = None,
-        n: int = 8,
-        concurrency: int = 64,
+        n: int = defaults.N,
+        concurrency: int = defaults.CONCURRENCY,
         episode: EpisodeConfig | None = None,
         max_staleness: int | None = None,
         policy_version: int = 0,

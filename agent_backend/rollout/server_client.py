@@ -41,6 +41,7 @@ import orjson
 from agent_backend.errors import PolicyError, clip
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.retry import retry_delay
+from agent_backend.rollout import defaults
 
 __all__ = ["PolicyServerClient", "PolicyStatistics", "ServerOptions", "token_ids", "v1_url"]
 
@@ -124,12 +125,12 @@ class PolicyServerClient(AsyncResource):
         *,
         model: str | None = None,
         api_key: str | None = None,
-        temperature: float = 1.0,
+        temperature: float = defaults.TEMPERATURE,
         top_p: float | None = None,
         max_tokens: int | None = None,
-        top_logprobs: int = 1,
-        timeout: float = 300.0,
-        max_retries: int = 4,
+        top_logprobs: int = defaults.TOP_LOGPROBS,
+        timeout: float = defaults.REQUEST_TIMEOUT,
+        max_retries: int = defaults.MAX_RETRIES,
         backoff: float = 0.5,
         max_backoff: float = 10.0,
         extra_body: Mapping[str, Any] | None = None,

@@ -42,6 +42,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from agent_backend.errors import PolicyError
+from agent_backend.rollout import defaults
 from agent_backend.rollout.chat_template import ChatTemplate
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFinitePolicy, check_logprobs
 from agent_backend.rollout.policy import (
@@ -98,7 +99,7 @@ class TokenPolicy:
         sampler: TokenSampler,
         template: ChatTemplate,
         *,
-        non_finite: NonFinitePolicy = "fail",
+        non_finite: NonFinitePolicy = defaults.NON_FINITE,
         counters: NonFiniteCounters | None = None,
     ) -> None:
         if not isinstance(sampler, TokenSampler):
@@ -273,7 +274,7 @@ async def open_policy(
         async with OpenAICompatiblePolicy(**given, counters=counters) as chat:
             yield chat
         return
-    non_finite: NonFinitePolicy = given.pop("non_finite", "fail")
+    non_finite: NonFinitePolicy = given.pop("non_finite", defaults.NON_FINITE)
     template_kwargs = given.pop("chat_template_kwargs", None)
     template = await anyio.to_thread.run_sync(
         functools.partial(

@@ -1,7 +1,7 @@
 """agent_backend.Client's connections, on a real daemon: reuse, cut connections, lost answers, timeouts, cookies.
 
 Faults are made by proxies on 127.0.0.1 between the client and the daemon:
-:class:`~tcp_proxy.TCPProxy` resets connections at will, :class:`LosingProxy`
+:class:`~support.tcp_proxy.TCPProxy` resets connections at will, :class:`LosingProxy`
 forwards each request but throws away the daemon's next answer and resets
 the connection, as when a connection dies after the daemon ran the call.
 """
@@ -13,15 +13,13 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from types import TracebackType
 
 import aiohttp.web
 import anyio
 import anyio.abc
 import pytest
-from anyio.abc import SocketAttribute
 from support.daemon_fixtures import TALLY, Daemon, daemon_fixture  # noqa: F401
-from support.tcp_proxy import TCPProxy, reset_on_close
+from support.tcp_proxy import Listener, TCPProxy, reset_on_close
 
 from agent_backend.client import Client
 from agent_backend.errors import BackendUnavailable, PoolClosed
@@ -33,18 +31,16 @@ _KEY = re.compile(rb"(?im)^idempotency-key: *(\S+)\r$")
 _REQUEST_LINE = re.compile(rb"(GET|POST|DELETE|PUT|HEAD) (/\S*) HTTP/1\.1\r\n")
 
 
-class LosingProxy:
+class LosingProxy(Listener):
     """Forwards to the daemon; the next ``lose`` answers are dropped and their connection reset."""
 
     def __init__(self, target_port: int, *, lose: int = 1) -> None:
+        super().__init__()
         self.target_port = target_port
         self.lose = lose
-        self.port = 0
         self.accepted = 0
         self.sent: list[bytearray] = []
         """The bytes the client sent, per connection in order of arrival."""
-        self._group: anyio.abc.TaskGroup | None = None
-        self._listener: anyio.abc.SocketListener | None = None
 
     @property
     def requests(self) -> list[tuple[str, str]]:
@@ -55,26 +51,6 @@ class LosingProxy:
     @property
     def keys(self) -> list[str]:
         return [k.decode() for sent in self.sent for k in _KEY.findall(bytes(sent))]
-
-    async def __aenter__(self) -> LosingProxy:
-        self._listener = await anyio.create_tcp_listener(local_host=HOST, local_port=0)
-        self.port = self._listener.extra(SocketAttribute.local_port)
-        self._group = anyio.create_task_group()
-        await self._group.__aenter__()
-        self._group.start_soon(self._listener.serve, self._handle)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        assert self._group is not None
-        assert self._listener is not None
-        self._group.cancel_scope.cancel()
-        await self._group.__aexit__(exc_type, exc, tb)
-        await self._listener.aclose()
 
     async def _handle(self, client: anyio.abc.SocketStream) -> None:
         self.accepted += 1

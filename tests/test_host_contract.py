@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support.proc_helpers import wait_dead
+from support.proc_helpers import spawn_on, wait_dead
 from support.ssh_helpers import (
     backend_for,
     kill_leftovers,
@@ -38,7 +38,6 @@ from support.ssh_helpers import (
 )
 from support.sshd import SSHServer
 
-from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch.backend import Backend, Command
 from agent_backend.errors import PoolClosed, PoolError
@@ -75,15 +74,7 @@ class Target:
 
 def _local(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Callable[[], Backend], str]:
     """The local backend's maker, and the prefix of its workspaces' paths."""
-    if request.param == "local-asyncio":  # where no pidfd can be had: asyncio's transport
-        monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
-        monkeypatch.setattr(local_process, "_PIDFD", False)
-    elif not local_process.pidfd_supported():
-        if os.environ.get("CI") == "true":
-            pytest.fail(
-                "this Linux has no pidfd_open (kernel 5.3+): the fast spawn path is untested"
-            )
-        pytest.skip("no pidfd_open here (kernel 5.3+)")
+    spawn_on(request.param, request.getfixturevalue("monkeypatch"))
     root = tmp_path / "root"
     config = LocalPoolConfig(workspace_root=str(root), kill_grace=KILL_GRACE, extra_env=HOST_ENV)
     return (lambda: LocalBackend(config)), f"{os.path.realpath(root)}/agent-backend-ws-"

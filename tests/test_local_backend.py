@@ -14,10 +14,9 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support.proc_helpers import entries, rss_bytes, slow_local_disk, wait_dead
+from support.proc_helpers import entries, rss_bytes, slow_local_disk, spawn_on, wait_dead
 from support.ssh_helpers import wait_until
 
-from agent_backend.backends import local_process
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Command
 from agent_backend.errors import BackendUnavailable, PoolClosed
@@ -30,24 +29,10 @@ async def host(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[LocalHost]:
     """A started local host; every test runs on both ways of spawning (local_process.py)."""
-    if request.param == "asyncio":  # where no pidfd can be had: asyncio's subprocess transport
-        monkeypatch.setattr(local_process, "_PIDFD", False)
-    elif not local_process.pidfd_supported():
-        if os.environ.get("CI") == "true":
-            pytest.fail(
-                "this Linux has no pidfd_open (kernel 5.3+): the fast spawn path is untested"
-            )
-        pytest.skip("no pidfd_open here (kernel 5.3+)")
+    spawn_on(request.param, monkeypatch)
     config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
     async with LocalBackend(config) as backend:
         yield backend.host
-
-
-def require_pidfd() -> None:
-    if not local_process.pidfd_supported():
-        if os.environ.get("CI") == "true":
-            pytest.fail("no pidfd_open on this Linux (5.3+): the fast spawn path is untested")
-        pytest.skip("no pidfd_open here (kernel 5.3+)")
 
 
 def entries_of(path: Path) -> list[str]:
@@ -61,10 +46,12 @@ def sh(line: str, timeout: float = 10.0, **kwargs: object) -> Command:
 # -- running commands ---------------------------------------------------------------------------
 
 
-async def test_commands_cost_no_thread_on_the_pidfd_path(tmp_path: Path) -> None:
+async def test_commands_cost_no_thread_on_the_pidfd_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Python 3.11's asyncio waits for each child in a thread of its own; beside a busy
     # server those threads fought the event loop for the GIL. With a pidfd, none is made.
-    require_pidfd()
+    spawn_on("pidfd", monkeypatch)
     config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
     async with LocalBackend(config) as backend:
         await commands_start_no_thread(backend.host, tmp_path)

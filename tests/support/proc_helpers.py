@@ -11,6 +11,7 @@ import anyio.to_thread
 import pytest
 
 import agent_backend.backends.local as local_backend
+from agent_backend.backends import local_process
 
 
 def pid_alive(pid: int) -> bool:
@@ -67,3 +68,19 @@ def slow_local_disk(monkeypatch: pytest.MonkeyPatch, host: object, seconds: floa
     for name in ("remove_tree", "sweep_dead_owners", "_read_file", "_write_file", "_list_dir"):
         monkeypatch.setattr(local_backend, name, slowed(getattr(local_backend, name)))
     monkeypatch.setattr(host, "_mkdtemp", slowed(host._mkdtemp))  # type: ignore[attr-defined]
+
+
+def spawn_on(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the local backend spawn on ``path``: ``"asyncio"`` (where no pidfd can be had) or pidfds.
+
+    The pidfd path is the fast one: missing, it fails the run under ``CI=true`` and skips elsewhere.
+    """
+    if path.endswith("asyncio"):
+        monkeypatch.setattr(local_process, "_PIDFD", False)
+        return
+    if not local_process.pidfd_supported():
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "this Linux has no pidfd_open (kernel 5.3+): the fast spawn path is untested"
+            )
+        pytest.skip("no pidfd_open here (kernel 5.3+)")

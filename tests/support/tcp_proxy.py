@@ -16,12 +16,13 @@ import contextlib
 import socket
 import struct
 from types import TracebackType
+from typing import Self
 
 import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-__all__ = ["TCPProxy", "reset_on_close"]
+__all__ = ["Listener", "TCPProxy", "reset_on_close"]
 
 HOST = "127.0.0.1"
 
@@ -33,19 +34,25 @@ def reset_on_close(stream: anyio.abc.SocketStream) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-class TCPProxy:
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
+class Listener:
+    """Listens on 127.0.0.1 (``port``, picked free) and serves each connection with :meth:`_handle`.
+
+    ``async with`` a subclass: the connections' tasks are cancelled and the listener
+    closed on the way out, after :meth:`_closing`.
+    """
+
+    def __init__(self) -> None:
         self.port = 0
-        self.refuse = False
-        self.accepted = 0
-        self._flowing = anyio.Event()
-        self._flowing.set()
-        self._pairs: set[tuple[anyio.abc.SocketStream, anyio.abc.SocketStream]] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self._listener: anyio.abc.SocketListener | None = None
 
-    async def __aenter__(self) -> TCPProxy:
+    async def _handle(self, client: anyio.abc.SocketStream) -> None:
+        raise NotImplementedError
+
+    async def _closing(self) -> None:
+        """What to do before the connections' tasks are cancelled."""
+
+    async def __aenter__(self) -> Self:
         self._listener = await anyio.create_tcp_listener(local_host=HOST, local_port=0)
         self.port = self._listener.extra(SocketAttribute.local_port)
         self._tg = anyio.create_task_group()
@@ -61,10 +68,24 @@ class TCPProxy:
     ) -> None:
         assert self._tg is not None
         assert self._listener is not None
-        await self.cut()
+        await self._closing()
         self._tg.cancel_scope.cancel()
         await self._tg.__aexit__(exc_type, exc, tb)
         await self._listener.aclose()
+
+
+class TCPProxy(Listener):
+    def __init__(self, target_port: int) -> None:
+        super().__init__()
+        self.target_port = target_port
+        self.refuse = False
+        self.accepted = 0
+        self._flowing = anyio.Event()
+        self._flowing.set()
+        self._pairs: set[tuple[anyio.abc.SocketStream, anyio.abc.SocketStream]] = set()
+
+    async def _closing(self) -> None:
+        await self.cut()
 
     @property
     def connections(self) -> int:

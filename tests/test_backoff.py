@@ -24,7 +24,7 @@ from agent_backend.backoff import backoff_delay
 from agent_backend.client import Client
 from agent_backend.dispatch import ToolResult
 from agent_backend.retry import parse_retry_after, retry_delay
-from agent_backend.rollout.server_client import PolicyServerClient
+from agent_backend.rollout import OpenAICompatiblePolicy
 
 NOW = 1_800_000_000.0
 
@@ -104,20 +104,15 @@ async def serve(refusing: Refusing) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-def policy_client(url: str, *, backoff: float, max_backoff: float) -> PolicyServerClient:
-    return PolicyServerClient(
+def policy_client(url: str, *, backoff: float, max_backoff: float) -> OpenAICompatiblePolicy:
+    """The chat policy: its retry loop is :class:`PolicyServerClient`'s, shared with the token sampler."""
+    return OpenAICompatiblePolicy(
         url + "/v1/chat/completions",
         model="m",
-        api_key=None,
         timeout=10.0,
         max_retries=2,
         backoff=backoff,
         max_backoff=max_backoff,
-        client=None,
-        temperature=1.0,
-        top_p=None,
-        max_tokens=None,
-        extra_body=None,
     )
 
 

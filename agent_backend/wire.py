@@ -56,6 +56,7 @@ __all__ = [
     "Liveness",
     "MethodNotAllowed",
     "NotFound",
+    "PoolReadiness",
     "RateLimited",
     "Readiness",
     "RequestTooLarge",
@@ -262,15 +263,31 @@ class Liveness(_Model):
     status: Literal["ok"] = "ok"
 
 
-class Readiness(_Model):
-    status: Literal["ready", "not ready"]
+class PoolReadiness(_Model):
+    """One pool of the daemon: what of it can take a call now."""
+
     backend: str
     """The pool's kind (``local``, ``ssh``, ``ray``)."""
+    up: int
+    """Hosts that are up (for a Ray pool: live actors)."""
+    total: int
+    """All its hosts (for a Ray pool: its replicas)."""
+
+
+class Readiness(_Model):
+    """Ready: not draining, and every pool has something up (each pool is listed in ``pools``)."""
+
+    status: Literal["ready", "not ready"]
+    backend: str
+    """The default pool's kind (``local``, ``ssh``, ``ray``)."""
     hosts_up: int
+    """The default pool's hosts (or actors) that are up."""
     hosts: int
     draining: bool
     """True once shutdown began: no new work is accepted."""
     reason: str | None = None
+    pools: dict[str, PoolReadiness] = pydantic.Field(default_factory=dict)
+    """Every pool by name, the default one included."""
 
 
 class ErrorDetail(_Model):

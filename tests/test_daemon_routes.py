@@ -28,6 +28,7 @@ def test_readiness_reflects_the_pool(daemon: Daemon) -> None:
     assert body["backend"] == "local"
     assert body["hosts_up"] == body["hosts"] == 1
     assert body["draining"] is False
+    assert body["pools"] == {"default": {"backend": "local", "up": 1, "total": 1}}
 
 
 @pytest.mark.parametrize(
@@ -203,8 +204,8 @@ def test_metrics_count_calls_errors_and_pool_state(daemon: Daemon) -> None:
     assert (
         'agent_backend_call_duration_seconds_bucket{backend="local",le="0.001",tool="echo"}' in text
     )
-    assert 'agent_backend_pool_hosts_up{backend="local"} 1.0' in text
-    assert 'agent_backend_pool_calls_active{backend="local"}' in text
+    assert 'agent_backend_pool_hosts_up{backend="local",pool="default"} 1.0' in text
+    assert 'agent_backend_pool_calls_active{backend="local",pool="default"}' in text
     assert "agent_backend_idempotency_kept" in text
     assert "_created" not in text
 

@@ -292,8 +292,8 @@ def ray_config() -> Any:
     return pool_config("support.ray_tools:echo", "support.ray_tools:whoami", name="routes")
 
 
-def ssh_config(sshd: SSHServer, root: Path) -> Any:
-    host = SSHHostConfig(**sshd.client_options(workspace_root=str(root)))
+def ssh_config(sshd: SSHServer, root: Path, **options: Any) -> Any:
+    host = SSHHostConfig(**sshd.client_options(workspace_root=str(root), **options))
     return SSHPoolConfig(hosts=(host,), close_timeout=5.0)
 
 
@@ -347,7 +347,9 @@ async def test_an_episode_through_the_daemon_on_ssh_and_ray(
     sshd: SSHServer, ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
     root = tmp_path / "ssh-ws"
-    pools = PoolSetConfig({"cmd": ssh_config(sshd, root), "gpu": ray_config()}, "cmd")
+    # Down after one failed connection attempt, so that readiness sees it at once.
+    cmd = ssh_config(sshd, root, connect_retries=0, down_after_failures=1)
+    pools = PoolSetConfig({"cmd": cmd, "gpu": ray_config()}, "cmd")
     settings = DaemonSettings(tokens=(TOKEN,), port=0, grace=2.0)
     with run_in_thread(mixed_registry(), settings, pool=pools) as daemon:
         headers = {"Authorization": f"Bearer {TOKEN}"}
@@ -370,7 +372,31 @@ async def test_an_episode_through_the_daemon_on_ssh_and_ray(
             assert read.json()["output"] == "on ssh", read.text
             assert len(leftover_workspaces(root)) == 1
             assert (await http.delete(f"/v1/sessions/{sid}")).status_code == 204
-        assert leftover_workspaces(root) == []
+            assert leftover_workspaces(root) == []
+
+            # Readiness and metrics speak of every pool, by name.
+            ready = (await http.get("/v1/health/ready")).json()
+            assert ready["status"] == "ready", ready
+            assert ready["pools"]["cmd"] == {"backend": "ssh", "up": 1, "total": 1}
+            assert ready["pools"]["gpu"]["backend"] == "ray"
+            assert ready["pools"]["gpu"]["up"] == ready["pools"]["gpu"]["total"] >= 1
+            metrics = (await http.get("/metrics")).text
+            assert 'agent_backend_pool_hosts_up{backend="ssh",pool="cmd"} 1.0' in metrics
+            assert 'agent_backend_pool_hosts_up{backend="ray",pool="gpu"}' in metrics
+            assert metrics.count("# TYPE agent_backend_pool_hosts_up gauge") == 1
+
+            # The SSH pool goes down: the daemon is not ready and says which pool; Ray serves.
+            sshd.kill()
+            for _ in range(5):  # the first failed call loses the connection, the next is down
+                await http.post("/v1/call", json={"name": "exec", "arguments": {"command": "true"}})
+                readiness = await http.get("/v1/health/ready")
+                if readiness.status_code == 503:
+                    break
+            assert readiness.status_code == 503, readiness.text
+            assert "pool 'cmd': no ssh host is up" in readiness.json()["reason"]
+            assert readiness.json()["pools"]["gpu"]["up"] >= 1
+            echo = await http.post("/v1/call", json={"name": "echo", "arguments": {"text": "up"}})
+            assert echo.json()["output"] == "up", echo.text
 
 
 def ssh_then_ray(turn: Turn) -> Reply:

@@ -67,6 +67,7 @@ from agent_backend.wire import (
     CallRequest,
     ErrorBody,
     Liveness,
+    PoolReadiness,
     Readiness,
     SessionInfo,
     ToolsResponse,
@@ -94,6 +95,10 @@ _SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such session for this token."},
     410: {"model": ErrorBody, "description": "The session was closed (reaped when idle)."},
 }
+
+
+def _unit(pool: PoolReadiness) -> str:
+    return "actor" if pool.backend == "ray" else "host"
 
 
 @dataclasses.dataclass
@@ -221,22 +226,35 @@ class _Routes:
         return _json(ToolsResponse(format=fmt, tools=exported))
 
     def readiness(self) -> Readiness:
-        pool = self.dispatcher.pool
-        up = sum(1 for host in pool.hosts if host.is_up())
+        dispatcher = self.dispatcher
+        pools = {}
+        for name, backend in dispatcher.pools.items():
+            up, total = backend.capacity()
+            pools[name] = PoolReadiness(backend=backend.kind, up=up, total=total)
+        down = [name for name, pool in pools.items() if pool.up == 0]
         reason = None
         if self.state.draining:
             reason = "shutting down"
-        elif self.dispatcher.is_closed():
+        elif dispatcher.is_closed():
             reason = "the dispatcher is closed"
-        elif up == 0:
-            reason = f"no {pool.kind} host is up"
+        elif down:
+            what = [f"no {pools[name].backend} {_unit(pools[name])} is up" for name in down]
+            reason = (
+                what[0]
+                if len(pools) == 1
+                else "; ".join(
+                    f"pool {name!r}: {text}" for name, text in zip(down, what, strict=True)
+                )
+            )
+        default = pools[dispatcher.default]
         return Readiness(
             status="ready" if reason is None else "not ready",
-            backend=pool.kind,
-            hosts_up=up,
-            hosts=len(pool.hosts),
+            backend=default.backend,
+            hosts_up=default.up,
+            hosts=default.total,
             draining=self.state.draining,
             reason=reason,
+            pools=pools,
         )
 
 

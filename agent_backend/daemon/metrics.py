@@ -27,7 +27,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from agent_backend.dispatch import Dispatcher, ToolResult
+from agent_backend.dispatch import Backend, Dispatcher, ToolResult
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 
@@ -72,19 +72,31 @@ class _StateCollector(Collector):
             family = GaugeMetricFamily(name, help_text, labels=["backend"])
             family.add_metric([backend], float(value))
             yield family
-        yield from self._pool(backend)
+        families: dict[str, GaugeMetricFamily] = {}  # one family per name, a sample per pool
+        for name, pool in self.dispatcher.pools.items():
+            self._pool(name, pool, families)
+        yield from families.values()
         for extra_name, extra_value in self.extra().items():
             extra = GaugeMetricFamily(f"agent_backend_{extra_name}", extra_name.replace("_", " "))
             extra.add_metric([], extra_value)
             yield extra
 
-    def _pool(self, backend: str) -> Iterator[GaugeMetricFamily]:
-        pool = self.dispatcher.pool
-        up = GaugeMetricFamily(
-            "agent_backend_pool_hosts_up", "Hosts of the pool that are up.", labels=["backend"]
+    def _pool(self, name: str, pool: Backend, families: dict[str, GaugeMetricFamily]) -> None:
+        """One pool's gauges, labelled with its kind and its name in the daemon's set of pools."""
+        labels = [pool.kind, name]
+
+        def add(metric: str, help_text: str, value: float, host: str | None = None) -> None:
+            family = families.get(metric)
+            if family is None:
+                names = ["backend", "pool"] if host is None else ["backend", "pool", "host"]
+                family = families[metric] = GaugeMetricFamily(metric, help_text, labels=names)
+            family.add_metric(labels if host is None else [*labels, host], value)
+
+        add(
+            "agent_backend_pool_hosts_up",
+            "Hosts of the pool that are up (for a Ray pool: live actors).",
+            float(pool.capacity()[0]),
         )
-        up.add_metric([backend], float(sum(1 for host in pool.hosts if host.is_up())))
-        yield up
         stats: Any = pool.statistics()
         if not dataclasses.is_dataclass(stats):
             return
@@ -97,33 +109,27 @@ class _StateCollector(Collector):
                 values[field.name] = number
             elif isinstance(value, tuple) and all(dataclasses.is_dataclass(v) for v in value):
                 hosts.extend(value)
-        for name in _POOL_PROPERTIES:
-            number = _numeric(getattr(stats, name, None))
+        for prop in _POOL_PROPERTIES:
+            number = _numeric(getattr(stats, prop, None))
             if number is not None:
-                values.setdefault(name, number)
-        for name, number in values.items():
-            family = GaugeMetricFamily(
-                f"agent_backend_pool_{name}",
-                f"The pool's {name.replace('_', ' ')}.",
-                labels=["backend"],
+                values.setdefault(prop, number)
+        for field_name, number in values.items():
+            add(
+                f"agent_backend_pool_{field_name}",
+                f"The pool's {field_name.replace('_', ' ')}.",
+                number,
             )
-            family.add_metric([backend], number)
-            yield family
-        per_host: dict[str, GaugeMetricFamily] = {}
         for host in hosts:
             label = str(getattr(host, "host", getattr(host, "name", "?")))
             for field in dataclasses.fields(host):
                 number = _numeric(getattr(host, field.name))
-                if number is None:
-                    continue
-                if field.name not in per_host:
-                    per_host[field.name] = GaugeMetricFamily(
+                if number is not None:
+                    add(
                         f"agent_backend_pool_host_{field.name}",
                         f"One host's {field.name.replace('_', ' ')}.",
-                        labels=["backend", "host"],
+                        number,
+                        host=label,
                     )
-                per_host[field.name].add_metric([backend, label], number)
-        yield from per_host.values()
 
 
 class Metrics:

@@ -233,6 +233,10 @@ class Backend(AsyncResource):
     @abc.abstractmethod
     def hosts(self) -> Sequence[Host]: ...
 
+    def capacity(self) -> tuple[int, int]:
+        """What can take a call now, of how many: its hosts that are up, of all its hosts."""
+        return sum(1 for host in self.hosts if host.is_up()), len(self.hosts)
+
     def pick_host(self) -> Host:
         """The least-loaded host that is up."""
         up = [host for host in self.hosts if host.is_up()]

@@ -169,6 +169,11 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
     def hosts(self) -> Sequence[Host]:
         return ()
 
+    def capacity(self) -> tuple[int, int]:
+        """Live actors, of all the pool's replicas (those starting or dead and not replaced yet)."""
+        s = self.statistics()
+        return s.actors_live, s.actors_live + s.actors_starting + s.actors_dead
+
     def pick_host(self) -> Host:
         raise BackendUnavailable(
             "the Ray backend runs Python tools (RayBackend.call), not commands", backend="ray"

@@ -442,9 +442,12 @@ async def test_a_rollout_whose_episodes_use_ssh_and_ray(
             stats = await rollouts.run(rows, ledger=ledger, writer=writer)
         assert dispatcher.statistics().sessions_open == 0
         assert ssh.hosts[0].workspaces() == frozenset()
+        ssh_host = ssh.hosts[0].name
     assert leftover_workspaces(root) == []
     records = list(read_trajectories(tmp_path / "out.jsonl"))
     assert len(records) == 6
+    # Where each ran: the workspace is on SSH (Ray's actors keep none), made on the first exec.
+    assert {t.extras["host"] for t in records} == {ssh_host}
     assert all(t.reward == 1.0 for t in records), [(t.final_text, t.error) for t in records]
     assert stats.tool_calls == 12
 

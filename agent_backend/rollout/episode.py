@@ -258,6 +258,7 @@ class _Episode:
         self.reward_time = 0.0
         self.version_end: int | None = None
         self.host: str | None = None
+        self.hosts: dict[str, str] = {}
 
     def stop(self, reason: StopReason, error: str | None = None) -> None:
         if self.stop_reason is None:  # the first reason wins
@@ -339,6 +340,11 @@ async def run_episode(
                 episode.stop("timeout", f"the episode did not finish within {config.timeout:g} s")
                 reward_total, rewards = config.failure_reward, {}
         finally:
+            # Where the episode ran, pool by pool (on several pools, a workspace is made on
+            # the first call routed to it, so it is known only now).
+            episode.hosts = {pool: host for pool, (host, _) in session.workspaces().items()}
+            if episode.host is None and session.host is not None:
+                episode.host = session.host.name
             closing = time.perf_counter()
             await session.aclose()  # idempotent, shielded inside: also on cancellation
             episode.env_time += time.perf_counter() - closing
@@ -512,6 +518,8 @@ def _build(
         extras["dropped"] = True
     if episode.host is not None:
         extras["host"] = episode.host
+    if len(episode.hosts) > 1 or (episode.hosts and episode.host is None):
+        extras["hosts"] = episode.hosts  # pool name -> host, when not all on the default pool
     version_end = episode.version_end if episode.version_end is not None else version_start
     fields: dict[str, Any] = {
         "rollout_id": ids.rollout_id,

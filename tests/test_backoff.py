@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp.web
 import anyio
+import anyio.abc
 import orjson
 import pytest
 
@@ -154,3 +155,55 @@ async def test_the_client_reads_an_http_date_and_skips_its_backoff() -> None:
             answer = await client.call(("echo", {"value": "late"}))
     assert answer.output == "late"
     assert len(refusing.arrivals) == 2
+
+
+class HangsUpFirst:
+    """Reads the first request and closes its connection unanswered, as a server does to a
+    kept-alive connection it timed out just as the request came; answers later ones with 200."""
+
+    def __init__(self, ok_body: bytes) -> None:
+        self.ok_body = ok_body
+        self.arrivals: list[float] = []
+
+    async def handle(self, client: anyio.abc.SocketStream) -> None:
+        async with client:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await client.receive()
+            head, _, body = data.partition(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(body) < length:
+                body += await client.receive()
+            self.arrivals.append(time.monotonic())
+            if len(self.arrivals) == 1:
+                return  # closed without an answer
+            await client.send(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(self.ok_body)}\r\nConnection: close\r\n\r\n".encode()
+                + self.ok_body
+            )
+
+
+@pytest.mark.anyio
+@pytest.mark.timeout(30)
+async def test_the_policy_client_resends_at_once_when_the_server_hung_up() -> None:
+    server = HangsUpFirst(b'{"ok": 1}')
+    async with (
+        await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0) as listener,
+        anyio.create_task_group() as group,
+    ):
+        group.start_soon(listener.serve, server.handle)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        # A backoff of 30 s would overrun the 10 s below: the resend must not wait for it.
+        async with policy_client(
+            f"http://127.0.0.1:{port}", backoff=30.0, max_backoff=60.0
+        ) as client:
+            with anyio.fail_after(10):
+                assert await client._post(b"{}") == {"ok": 1}
+            assert client.statistics().retries == 1
+        group.cancel_scope.cancel()
+    assert len(server.arrivals) == 2

@@ -288,11 +288,13 @@ class PolicyServerClient(AsyncResource):
     async def _post(self, payload: bytes) -> Any:
         last: PolicyError | None = None
         retry_after: str | None = None
+        resend_now = False
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self._retries += 1
-                refused = last.status if last is not None else None
-                await anyio.sleep(self._delay(attempt, refused, retry_after))
+                if not resend_now:
+                    refused = last.status if last is not None else None
+                    await anyio.sleep(self._delay(attempt, refused, retry_after))
             self._requests += 1
             retry_after = None
             try:
@@ -303,6 +305,11 @@ class PolicyServerClient(AsyncResource):
                         status, body = response.status, await response.read()
                         retry_after = response.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as exc:
+                # The server closed the connection before answering: most often a kept-alive
+                # one it had just timed out (its clock runs ahead of ours under load). A
+                # sampling request may be sent again (it changes nothing on the server), so
+                # the first such failure is resent at once; the next ones back off.
+                resend_now = isinstance(exc, aiohttp.ServerDisconnectedError) and not resend_now
                 what = (
                     "timed out"
                     if isinstance(exc, TimeoutError)
@@ -312,6 +319,7 @@ class PolicyServerClient(AsyncResource):
                     f"the policy server at {self.url} {what}", url=self.url, retryable=True
                 )
                 continue
+            resend_now = False
             if status == 200:
                 return self._json(status, body)
             detail = clip(body.decode("utf-8", "replace"), _BODY_SHOWN)

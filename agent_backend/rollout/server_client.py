@@ -305,11 +305,15 @@ class PolicyServerClient(AsyncResource):
                         status, body = response.status, await response.read()
                         retry_after = response.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # The server closed the connection before answering: most often a kept-alive
-                # one it had just timed out (its clock runs ahead of ours under load). A
-                # sampling request may be sent again (it changes nothing on the server), so
-                # the first such failure is resent at once; the next ones back off.
-                resend_now = isinstance(exc, aiohttp.ServerDisconnectedError) and not resend_now
+                # The connection failed (closed before the answer, reset while writing): most
+                # often a kept-alive one the server had just timed out (its clock runs ahead
+                # of ours under load). A sampling request may be sent again (it changes
+                # nothing on the server), so the first such failure is resent at once, on a
+                # new connection; the next ones back off.
+                broken = isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(
+                    exc, TimeoutError
+                )
+                resend_now = broken and not resend_now
                 what = (
                     "timed out"
                     if isinstance(exc, TimeoutError)

@@ -64,7 +64,7 @@ $(MCP_CLIENTS): scripts/ensure-mcp-clients.sh
 pytest: $(MCP_CLIENTS)
 
 pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
-	$(BIN)/python -m pytest -W error -q
+	$(BIN)/python -m pytest -W error -q --durations=25
 
 # The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
 # side they cost the longest one's time, not the sum. System packages first (apt's lock).

@@ -388,7 +388,14 @@ def serve_policy(server: PolicyServer | None = None) -> Iterator[PolicyServer]:
     """Run ``server`` (a new one by default) on uvicorn on a free 127.0.0.1 port, in a thread."""
     server = server or PolicyServer()
     config = uvicorn.Config(
-        server.app, host=HOST, port=0, log_level="error", lifespan="off", access_log=False
+        server.app,
+        host=HOST,
+        port=0,
+        log_level="error",
+        lifespan="off",
+        access_log=False,
+        # A scripted reply still sleeping (a test's slow server) must not hold the stop.
+        timeout_graceful_shutdown=1,
     )
     running = uvicorn.Server(config)
     failure: list[BaseException] = []

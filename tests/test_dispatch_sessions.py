@@ -12,7 +12,7 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support.proc_helpers import entries, slow_local_disk, wait_dead
+from support.proc_helpers import entries, slow_local_disk, wait_dead, watch_loop
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch import Dispatcher, Session, builtin_tools
@@ -425,14 +425,6 @@ async def test_the_loop_stays_responsive_while_sessions_open_and_close(
     # freeze the loop (every file operation takes 0.3 s here: 20 episodes x 5
     # operations would take 30 s in series on the loop) nor leak.
     slow_local_disk(monkeypatch, pool.host, 0.3)
-    worst = 0.0
-
-    async def heartbeat(stop: anyio.Event) -> None:
-        nonlocal worst
-        while not stop.is_set():
-            before = time.monotonic()
-            await anyio.sleep(0.01)
-            worst = max(worst, time.monotonic() - before - 0.01)
 
     async def episode(dispatcher: Dispatcher) -> None:
         async with dispatcher.session() as session:
@@ -441,18 +433,18 @@ async def test_the_loop_stays_responsive_while_sessions_open_and_close(
             assert (await session.call(("read_file", {"path": "big"}))).ok
             assert (await session.call(("list_dir", {}))).ok
 
-    stop = anyio.Event()
     started = time.monotonic()
-    async with Dispatcher(tools(), pool) as dispatcher, anyio.create_task_group() as outer:
-        outer.start_soon(heartbeat, stop)
-        async with anyio.create_task_group() as group:
-            for _ in range(20):
-                group.start_soon(episode, dispatcher)
-        stop.set()
+    async with (
+        Dispatcher(tools(), pool) as dispatcher,
+        watch_loop() as stall,
+        anyio.create_task_group() as group,
+    ):
+        for _ in range(20):
+            group.start_soon(episode, dispatcher)
     elapsed = time.monotonic() - started
     # One kind of operation run on the loop would add 20 x 0.3 = 6 s.
     assert elapsed < 6, f"20 episodes took {elapsed:.1f} s: file operations ran in series"
-    assert worst < 1.0, f"the event loop stalled for {worst:.3f} s"
+    assert stall.worst < 1.0, f"the event loop stalled for {stall.worst:.3f} s"
     assert workspaces(root) == []
 
 

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import anyio
 import pytest
-from support.proc_helpers import entries, rss_bytes, slow_local_disk, spawn_on, wait_dead
+from support.proc_helpers import (
+    entries,
+    rss_bytes,
+    slow_local_disk,
+    spawn_on,
+    wait_dead,
+    watch_loop,
+)
 from support.ssh_helpers import wait_until
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
@@ -308,26 +315,13 @@ async def test_the_event_loop_stays_responsive_under_many_calls(host: LocalHost)
     # Only for the test's own work: the backend's close (teardown) runs at disk speed.
     with pytest.MonkeyPatch.context() as slow:
         slow_local_disk(slow, host, 0.3)
-        worst = 0.0
-
-        async def heartbeat(stop: anyio.Event) -> None:
-            nonlocal worst
-            while not stop.is_set():
-                before = time.monotonic()
-                await anyio.sleep(0.01)
-                worst = max(worst, time.monotonic() - before - 0.01)
-
-        stop = anyio.Event()
         started = time.monotonic()
-        async with anyio.create_task_group() as group:
-            group.start_soon(heartbeat, stop)
-            async with anyio.create_task_group() as work:
-                for _ in range(30):
-                    work.start_soon(host.make_workspace)
-                for _ in range(8):
-                    work.start_soon(host.run, sh("head -c 3000000 /dev/zero"))
-            stop.set()
+        async with watch_loop() as stall, anyio.create_task_group() as work:
+            for _ in range(30):
+                work.start_soon(host.make_workspace)
+            for _ in range(8):
+                work.start_soon(host.run, sh("head -c 3000000 /dev/zero"))
         elapsed = time.monotonic() - started
     assert elapsed < 4, f"took {elapsed:.1f} s: workspaces were made in series"
-    assert worst < 1.0, f"the event loop stalled for {worst:.3f} s"
+    assert stall.worst < 1.0, f"the event loop stalled for {stall.worst:.3f} s"
     assert host.statistics().workspaces == 30

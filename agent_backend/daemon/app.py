@@ -97,10 +97,6 @@ _SESSION_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def _unit(pool: PoolReadiness) -> str:
-    return "actor" if pool.backend == "ray" else "host"
-
-
 @dataclasses.dataclass
 class DaemonState:
     """What the server runner tells the app: whether shutdown has begun."""
@@ -232,13 +228,14 @@ class _Routes:
             up, total = backend.capacity()
             pools[name] = PoolReadiness(backend=backend.kind, up=up, total=total)
         down = [name for name, pool in pools.items() if pool.up == 0]
+        units = {name: dispatcher.pools[name].capacity_unit for name in down}
         reason = None
         if self.state.draining:
             reason = "shutting down"
         elif dispatcher.is_closed():
             reason = "the dispatcher is closed"
         elif down:
-            what = [f"no {pools[name].backend} {_unit(pools[name])} is up" for name in down]
+            what = [f"no {pools[name].backend} {units[name]} is up" for name in down]
             reason = (
                 what[0]
                 if len(pools) == 1

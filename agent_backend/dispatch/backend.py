@@ -233,6 +233,9 @@ class Backend(AsyncResource):
     @abc.abstractmethod
     def hosts(self) -> Sequence[Host]: ...
 
+    capacity_unit: ClassVar[str] = "host"
+    """What :meth:`capacity` counts, in words (``no ssh host is up``)."""
+
     def capacity(self) -> tuple[int, int]:
         """What can take a call now, of how many: its hosts that are up, of all its hosts."""
         return sum(1 for host in self.hosts if host.is_up()), len(self.hosts)

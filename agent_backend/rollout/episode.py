@@ -329,7 +329,6 @@ async def run_episode(
         finally:
             episode.env_time += time.perf_counter() - opened
         try:
-            episode.host = session.host.name if session.host is not None else None
             with anyio.move_on_after(config.timeout) as deadline:
                 await _turns(episode, policy, session, schema, config, version)
                 if reward is not None and episode.stop_reason in _SCORED:
@@ -343,8 +342,7 @@ async def run_episode(
             # Where the episode ran, pool by pool (on several pools, a workspace is made on
             # the first call routed to it, so it is known only now).
             episode.hosts = {pool: host for pool, (host, _) in session.workspaces().items()}
-            if episode.host is None and session.host is not None:
-                episode.host = session.host.name
+            episode.host = session.host.name if session.host is not None else None
             closing = time.perf_counter()
             await session.aclose()  # idempotent, shielded inside: also on cancellation
             episode.env_time += time.perf_counter() - closing

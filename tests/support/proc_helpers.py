@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,28 @@ def spawn_on(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
                 "this Linux has no pidfd_open (kernel 5.3+): the fast spawn path is untested"
             )
         pytest.skip("no pidfd_open here (kernel 5.3+)")
+
+
+@dataclasses.dataclass
+class LoopStall:
+    worst: float = 0.0
+    """The longest the event loop was late for a 10 ms sleep, in seconds."""
+
+
+@contextlib.asynccontextmanager
+async def watch_loop() -> AsyncIterator[LoopStall]:
+    """How late the event loop gets while the ``async with`` body runs (a 10 ms heartbeat)."""
+    stall = LoopStall()
+
+    async def heartbeat() -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(0.01)
+            stall.worst = max(stall.worst, time.monotonic() - before - 0.01)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(heartbeat)
+        try:
+            yield stall
+        finally:
+            group.cancel_scope.cancel()

@@ -169,6 +169,8 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
     def hosts(self) -> Sequence[Host]:
         return ()
 
+    capacity_unit = "actor"
+
     def capacity(self) -> tuple[int, int]:
         """Live actors, of all the pool's replicas (those starting or dead and not replaced yet)."""
         s = self.statistics()

@@ -63,15 +63,22 @@ $(MCP_CLIENTS): scripts/ensure-mcp-clients.sh
 	else echo "warning: the MCP clients could not be set up (see above); their tests will skip" >&2; fi
 pytest: $(MCP_CLIENTS)
 
+# Two workers (pytest-xdist): most tests wait on processes and sockets, not on the CPU. Tests
+# sharing the session's Ray or vLLM server run on one worker (tests/conftest.py groups them).
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
-	$(BIN)/python -m pytest -W error -q --durations=25
+	$(BIN)/python -m pytest -W error -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
-# side they cost the longest one's time, not the sum. System packages first (apt's lock).
-test-envs: $(STAMP) system-deps
-	$(MAKE) -j3 --no-print-directory --output-sync=target $(FRAMEWORKS) vllm-env $(MCP_CLIENTS)
+# side from the start they cost the longest chain's time (.venv, then its trainers and
+# frameworks), not the sum. The two apt steps take turns (scripts/ensure-system-deps.sh).
+test-envs:
+	$(MAKE) -j4 --no-print-directory --output-sync=target $(FRAMEWORKS) system-deps vllm-env $(MCP_CLIENTS)
 
-test: test-envs lint typecheck pytest
+# mypy (about 100 s of one core from a cold cache) runs beside the tests, which leave a core
+# idle for much of their run; its verdict counts as before.
+test: test-envs lint
+	$(MAKE) -j2 --no-print-directory typecheck pytest
 
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.
 # Each prints its figures side by side with its baseline and PASS/FAIL per target.

@@ -10,10 +10,15 @@ set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
 can_apt() { [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; }
+# `make test` sets up its environments side by side: its two calls of this script take
+# turns at apt (flock), rather than one failing on apt's lock.
 apt_install() {
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  (
+    flock 9
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+  ) 9>/tmp/agent-backend-apt.lock
 }
 
 build_deps() {

@@ -13,7 +13,19 @@ from typing import Any
 
 import pytest
 from support.sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
-from support.vllm_server import start_vllm_server
+from support.vllm_server import (
+    SHARED_KEY,
+    share_with_workers,
+    shared_launch_path,
+    start_vllm_server,
+)
+from support.xdist_groups import (
+    GROUPS_KEY,
+    groups_directory,
+    make_scheduler,
+    order_items,
+    write_groups,
+)
 
 
 @pytest.fixture
@@ -21,11 +33,43 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reports its collection
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):
+        # An xdist worker: its groups for the controller's scheduler. It never launches vLLM:
+        # the controller does, once for all (pytest_xdist_node_collection_finished).
+        write_groups(session.config, session.items)
+        return
     # vLLM takes a minute or so to start: launch it now, so that it warms up while the tests
     # that come before the first one to use it run.
     if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
         start_vllm_server(session.config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):
+        order_items(items)  # the order xdist's units go out in (support/xdist_groups.py)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist controller: tell each worker where its groups and the vLLM launch go."""
+    node.workerinput[GROUPS_KEY] = str(groups_directory(node.config))
+    node.workerinput[SHARED_KEY] = str(shared_launch_path(node.config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist controller: ``--dist loadgroup`` honours the groups (support/xdist_groups.py)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return make_scheduler(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """xdist controller: launch vLLM once, as soon as the first worker has collected."""
+    share_with_workers(node.config, ids)
 
 
 def _require_sshd() -> None:

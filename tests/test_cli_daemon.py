@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from support.daemon_fixtures import TOKEN, Daemon, daemon_fixture  # noqa: F401
-from support.sshd import free_port
+from support.ports import unused_port
 from typer.testing import CliRunner
 
 from agent_backend.cli import app
@@ -86,10 +86,10 @@ def test_pool_check_reports_each_host(tmp_path: Path) -> None:
 
 def test_pool_check_on_a_real_ssh_pool(sshd: Any, tmp_path: Path) -> None:
     """One host that answers (a real sshd on loopback), one that does not."""
-    from support.sshd import free_port
+    from support.ports import unused_port
 
     lines = ['type = "ssh"', "connect_timeout = 3", "connect_retries = 0"]
-    for port in (sshd.port, free_port()):
+    for port in (sshd.port, unused_port()):
         options = sshd.client_options(port=port)
         lines.append("[[hosts]]")
         lines += [f"{key} = {json.dumps(value)}" for key, value in options.items()]
@@ -177,7 +177,7 @@ def _serve_command() -> list[str]:
 @pytest.mark.timeout(60)
 def test_serve_takes_options_over_the_environment_over_the_env_file(tmp_path: Path) -> None:
     """A real `agent-backend serve`: each setting comes from the first place that gives it."""
-    port = free_port()
+    port = unused_port()
     env_file = tmp_path / "daemon.env"
     env_file.write_text(
         f"AGENT_BACKEND_PORT={port}\nAGENT_BACKEND_GRACE=7\nAGENT_BACKEND_MAX_BATCH=2\n"

@@ -61,7 +61,12 @@ def run_in_mcp1_venv(code: str) -> None:
 
 
 examples = [
-    pytest.param(code, id=f"{path.name}#{index}")
+    pytest.param(
+        code,
+        id=f"{path.name}#{index}",
+        # A block that starts a local Ray runs on the worker of the Ray tests (conftest.py).
+        marks=[pytest.mark.xdist_group("ray")] if "RayBackend" in code else [],
+    )
     for path in DOCS
     for index, code in enumerate(BLOCK.findall(path.read_text(encoding="utf-8")))
 ]

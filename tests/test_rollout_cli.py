@@ -234,12 +234,12 @@ def test_a_server_without_logprobs_fails_the_run(
 
 
 def test_a_dead_server_fails_the_run(tmp_path: Path) -> None:
-    from support.sshd import free_port
+    from support.ports import unused_port
 
     write_prompts(tmp_path / "prompts.jsonl", 30)
 
     class Dead:
-        url = f"http://127.0.0.1:{free_port()}/v1"
+        url = f"http://127.0.0.1:{unused_port()}/v1"
 
     args = command(Dead(), "m", tmp_path, "--n", "1", "--max-retries", "0")  # type: ignore[arg-type]
     done = run(args, tmp_path)

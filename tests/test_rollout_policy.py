@@ -10,7 +10,7 @@ import time
 import anyio
 import pytest
 from support.policy_server import END, PolicyServer, Reply, encode, policy_server_fixture, render
-from support.sshd import free_port
+from support.ports import unused_port
 
 from agent_backend.errors import NonFiniteLogprobs, PolicyError
 from agent_backend.rollout.logprobs import NonFiniteCounters
@@ -203,7 +203,7 @@ async def test_4xx_is_not_retried(policy_server: PolicyServer) -> None:
 
 
 async def test_connection_refused_is_retried_then_raised() -> None:
-    url = f"http://127.0.0.1:{free_port()}/v1"  # nothing listens there
+    url = f"http://127.0.0.1:{unused_port()}/v1"  # nothing listens there
     async with OpenAICompatiblePolicy(url, model="m", max_retries=2, backoff=0.01) as policy:
         with pytest.raises(PolicyError, match="ClientConnectorError") as caught:
             await policy.generate(MESSAGES, [])

@@ -49,7 +49,8 @@ SOURCES = ("schemas", "pools")
 TOKEN = "wheel-test-token-" + "t" * 24
 BUILTIN_NAMES = sorted(BUILTIN_DEFINITIONS)
 
-pytestmark = pytest.mark.timeout(600)
+# One worker builds the venv once (under pytest-xdist each worker has its own session).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.xdist_group("wheel")]
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ from typing import Any
 
 import anyio
 
+from support.ports import unused_port
+
 __all__ = [
     "SSHKeys",
     "SSHServer",
     "find_sshd",
-    "free_port",
     "generate_keys",
     "process_tree",
     "sshd_missing_reason",
@@ -55,12 +56,6 @@ def sshd_missing_reason() -> str | None:
     if shutil.which("ssh-keygen") is None:
         return "ssh-keygen is not installed"
     return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 class SSHKeys:
@@ -154,7 +149,7 @@ class SSHServer:
     ) -> None:
         self.directory = directory
         self.keys = keys
-        self.port = port or free_port()
+        self.port = port or unused_port()
         self.user = user or pwd.getpwuid(os.getuid()).pw_name
         self.max_sessions = max_sessions
         self.max_startups = max_startups

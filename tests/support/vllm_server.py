@@ -6,7 +6,9 @@ minute and more to come up, so it is launched early: ``tests/conftest.py`` calls
 :func:`start_vllm_server` once collection is done, when any collected test uses the
 ``vllm_server`` fixture, and the warm-up overlaps the rest of the run. The fixture then only
 waits for ``/health``, bounded, watching the process: if it exits, the test fails with the
-tail of its log.
+tail of its log. Under pytest-xdist the controller launches it instead, once for all workers
+(:func:`share_with_workers`, when the workers' collections reach it), and records where it
+listens in a file whose path each worker gets in ``workerinput``.
 
 Without ``.venv-vllm`` the tests that need it skip, except under ``CI=true``, where they fail.
 The server's process group is killed at the end of the session.
@@ -22,27 +24,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO
 
 import httpx
 import pytest
 
+from support.ports import unused_port
 from support.tiny_model import build_tiny_model
 
 __all__ = [
     "VLLMServer",
     "VLLMStartError",
     "launched_vllm",
+    "share_with_workers",
+    "shared_launch_path",
     "start_vllm_server",
     "vllm_missing_reason",
     "vllm_server_fixture",
@@ -84,7 +89,10 @@ class _Launch:
     log: IO[bytes] | None = None
     workdir: Path | None = None
     started_at: float = 0.0
+    """``time.monotonic()`` at launch: one clock for every process of the machine (Linux)."""
     healthy: bool = False
+    pid: int | None = None
+    """The server's pid when another process (the xdist controller) launched it."""
 
     def log_tail(self) -> str:
         if self.server is None or not self.server.log_path.exists():
@@ -92,14 +100,31 @@ class _Launch:
         data = self.server.log_path.read_bytes()[-LOG_TAIL:]
         return data.decode("utf-8", "replace")
 
+    def exit_status(self) -> int | str | None:
+        """The process's exit code, ``"gone"`` if an attached one ended, None while it runs."""
+        if self.process is not None:
+            return self.process.poll()
+        # Attached (a pytest-xdist worker): the controller owns the process; read its state.
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return "gone"
+        return "gone" if stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X") else None
+
     def wait_healthy(self, timeout: float = STARTUP_TIMEOUT) -> VLLMServer:
         """Wait for ``/health``; :class:`VLLMStartError` if the process exits or time runs out."""
         assert self.server is not None
-        assert self.process is not None
+        assert self.process is not None or self.pid is not None
         deadline = self.started_at + timeout
         with httpx.Client(timeout=2.0) as client:
             while not self.healthy:
-                code = self.process.poll()
+                # Asked first: a server launched long before the first test that needs it
+                # (the warm-up overlaps the run) is healthy, not late.
+                with contextlib.suppress(httpx.TransportError):
+                    self.healthy = client.get(f"{self.server.url}/health").status_code == 200
+                if self.healthy:
+                    break
+                code = self.exit_status()
                 if code is not None:
                     raise VLLMStartError(
                         f"vLLM server exited with {code} before it was healthy:\n{self.log_tail()}"
@@ -108,12 +133,12 @@ class _Launch:
                     raise VLLMStartError(
                         f"vLLM server not healthy {timeout:.0f} s after launch:\n{self.log_tail()}"
                     )
-                with contextlib.suppress(httpx.TransportError):
-                    self.healthy = client.get(f"{self.server.url}/health").status_code == 200
-                if not self.healthy:
-                    # Waits on the process: returns at once if it exits meanwhile.
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.process.wait(timeout=0.5)
+                if self.process is None:
+                    time.sleep(0.5)
+                    continue
+                # Waits on the process: returns at once if it exits meanwhile.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(timeout=0.5)
         return self.server
 
     def stop(self) -> None:
@@ -147,13 +172,6 @@ def vllm_missing_reason() -> str | None:
     if not any(VENV.glob(".installed-*")):
         return f"{VENV.name} is incomplete (no install stamp): run `make vllm-env`"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _command(
@@ -217,7 +235,7 @@ def _spawn(
 ) -> None:
     """Start the server process for ``launch`` (its ``workdir`` holds the log), not waiting."""
     assert launch.workdir is not None
-    port = _free_port()
+    port = unused_port()
     log_path = launch.workdir / "server.log"
     launch.server = VLLMServer(
         url=f"http://127.0.0.1:{port}", model=SERVED_MODEL, model_dir=model_dir, log_path=log_path
@@ -247,12 +265,21 @@ def _spawn(
         env=env,
         start_new_session=True,  # its own process group, killed whole at the end
     )
+    launch.pid = launch.process.pid
 
 
 def start_vllm_server(config: pytest.Config) -> _Launch:
-    """Launch the session's server in the background, once; later calls return the same."""
+    """Launch the session's server in the background, once; later calls return the same.
+
+    In a pytest-xdist worker, the controller launched it (:func:`share_with_workers`): this
+    reads where, and the worker only waits on it, never stops it.
+    """
     global _launch
     if _launch is not None:
+        return _launch
+    shared = getattr(config, "workerinput", {}).get(SHARED_KEY)
+    if shared is not None:
+        _launch = _attach(Path(shared))
         return _launch
     missing = vllm_missing_reason()
     if missing is not None:
@@ -264,6 +291,73 @@ def start_vllm_server(config: pytest.Config) -> _Launch:
     config.add_cleanup(launch.stop)
     _spawn(launch, build_tiny_model(workdir / "model"))
     return launch
+
+
+#: The key of xdist's ``workerinput`` that holds the path of the controller's launch record.
+SHARED_KEY = "agent_backend_vllm_launch"
+_shared: Path | None = None
+
+
+def shared_launch_path(config: pytest.Config | None = None) -> Path:
+    """Controller: the file where the launch is recorded for the workers (one per session;
+    its folder is removed when ``config``, given on the first call, is cleaned up)."""
+    global _shared
+    if _shared is None:
+        folder = Path(tempfile.mkdtemp(prefix="vllm-launch-"))
+        _shared = folder / "launch.json"
+        if config is not None:
+            config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return _shared
+
+
+def share_with_workers(config: pytest.Config, test_ids: Iterable[str]) -> None:
+    """Controller of a pytest-xdist run: launch the one server when a collected test module
+    uses the fixture, and record it (or why there is none) for the workers. Once per run."""
+    path = shared_launch_path()
+    if path.exists():
+        return
+    files = {test_id.split("::", 1)[0] for test_id in test_ids}
+    needed = any(
+        "vllm_server_fixture" in (config.rootpath / name).read_text(encoding="utf-8")
+        for name in files
+        if name.endswith(".py") and (config.rootpath / name).is_file()
+    )
+    if needed:
+        launch = start_vllm_server(config)
+    else:
+        launch = _Launch(missing="no collected test module uses the vllm_server fixture")
+    record: dict[str, object] = {"missing": launch.missing}
+    if launch.server is not None:
+        record |= {
+            "url": launch.server.url,
+            "model": launch.server.model,
+            "model_dir": str(launch.server.model_dir),
+            "log_path": str(launch.server.log_path),
+            "pid": launch.pid,
+            "started_at": launch.started_at,
+        }
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record), encoding="utf-8")
+    partial.replace(path)  # a worker never reads half a record
+
+
+def _attach(path: Path, within: float = 120.0) -> _Launch:
+    """Worker: the controller's launch, read from ``path`` (written before tests are sent)."""
+    deadline = time.monotonic() + within
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return _Launch(missing=f"the xdist controller recorded no vLLM launch in {path}")
+        time.sleep(0.1)
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record["missing"] is not None:
+        return _Launch(missing=str(record["missing"]))
+    server = VLLMServer(
+        url=record["url"],
+        model=record["model"],
+        model_dir=Path(record["model_dir"]),
+        log_path=Path(record["log_path"]),
+    )
+    return _Launch(server=server, pid=int(record["pid"]), started_at=float(record["started_at"]))
 
 
 @contextlib.contextmanager

@@ -41,7 +41,9 @@ episode made its one tool call and two turns, and the prompts the server got
 are compared (the first turn's must be identical; the second's may differ where
 the two loops render the tool result differently). After them, for the
 diagnosis: this process's CPU per episode, the vLLM server's CPU per episode
-(its processes, with psutil), and our sampler's retries.
+(its processes, with psutil), how spread out in time each side's requests of a
+round went out (first turns and second turns apart: the server batches what
+arrives together), and our sampler's retries.
 ``--peer-http httpx`` gives the peer's server manager httpx with keep-alive
 instead of aiohttp, the client our sampler had before this bench showed what
 it cost (3-5x the server's CPU per episode at 16 and 64 concurrent episodes:
@@ -172,6 +174,26 @@ class Requests:
 REQUESTS = Requests()
 
 
+@dataclasses.dataclass
+class SendTimes:
+    """When a round's requests were built (just before each is sent), by side and turn kind:
+    how spread out they reach the server decides how well it batches them (a diagnosis)."""
+
+    first: list[float] = dataclasses.field(default_factory=list)
+    later: list[float] = dataclasses.field(default_factory=list)
+
+    def spreads_ms(self) -> tuple[float, float]:
+        """Milliseconds from the first to the last request, first turns and later turns."""
+
+        def spread(times: list[float]) -> float:
+            return (max(times) - min(times)) * 1000 if len(times) > 1 else 0.0
+
+        return spread(self.first), spread(self.later)
+
+
+SENT: dict[str, SendTimes] = {"ours": SendTimes(), "peer": SendTimes()}
+
+
 def turn_fields(side: str, prompt_ids: Sequence[int], tool_response_id: int) -> dict[str, Any]:
     """The request fields that depend on the turn: identical for both sides.
 
@@ -181,6 +203,7 @@ def turn_fields(side: str, prompt_ids: Sequence[int], tool_response_id: int) -> 
     ids = [int(t) for t in prompt_ids]
     crc = zlib.crc32(array.array("q", ids).tobytes())
     first = tool_response_id not in ids
+    (SENT[side].first if first else SENT[side].later).append(time.perf_counter())
     if REQUESTS.recording:
         (REQUESTS.first if first else REQUESTS.later)[side].append((len(ids), crc))
     if first:
@@ -540,6 +563,9 @@ class Result:
     server_cpu: dict[str, list[float]] = dataclasses.field(
         default_factory=lambda: {"ours": [], "peer": []}
     )
+    spreads: dict[str, list[tuple[float, float]]] = dataclasses.field(
+        default_factory=lambda: {"ours": [], "peer": []}
+    )
 
     @property
     def ours_eps(self) -> float:
@@ -583,10 +609,12 @@ async def measure(
     for index in range(rounds):
         for which in ("ours", "peer") if index % 2 == 0 else ("peer", "ours"):
             before = server_cpu()
+            SENT[which] = SendTimes()
             if which == "ours":
                 result.ours.append(await ours_round(*ours, count, concurrency))
             else:
                 result.peer.append(await peer.round(count, concurrency))
+            result.spreads[which].append(SENT[which].spreads_ms())
             after = server_cpu()
             if before is not None and after is not None:
                 result.server_cpu[which].append(after - before)
@@ -775,6 +803,18 @@ async def run_bench(
                 f"info  vLLM server CPU per episode at {r.concurrency}:"
                 f" ours {ours_server:.1f} ms, peer {peer_server:.1f} ms"
             )
+    for r in results:
+        if r.concurrency == 1:
+            continue  # one episode at a time: its requests are never together
+        first, later = (
+            {side: statistics.median(s[i] for s in r.spreads[side]) for side in ("ours", "peer")}
+            for i in (0, 1)
+        )
+        print(
+            f"info  a round's requests at {r.concurrency} went out over (median of rounds):"
+            f" first turns ours {first['ours']:.1f} ms, peer {first['peer']:.1f} ms;"
+            f" second turns ours {later['ours']:.1f} ms, peer {later['peer']:.1f} ms"
+        )
     print(
         f"info  our sampler: {sampled.requests} requests, {sampled.retries} retries,"
         f" {sampled.failures} failures"

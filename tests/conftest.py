@@ -13,17 +13,12 @@ from typing import Any
 
 import pytest
 from support.sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
-from support.vllm_server import (
-    SHARED_KEY,
-    share_with_workers,
-    shared_launch_path,
-    start_vllm_server,
-)
+from support.vllm_server import needs_vllm, note_need, share_with_workers, start_vllm_server
 from support.xdist_groups import (
-    GROUPS_KEY,
-    groups_directory,
+    RUN_FOLDER_KEY,
     make_scheduler,
     order_items,
+    run_folder,
     write_groups,
 )
 
@@ -39,10 +34,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         # An xdist worker: its groups for the controller's scheduler. It never launches vLLM:
         # the controller does, once for all (pytest_xdist_node_collection_finished).
         write_groups(session.config, session.items)
+        note_need(session.config, session.items)
         return
     # vLLM takes a minute or so to start: launch it now, so that it warms up while the tests
     # that come before the first one to use it run.
-    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+    if needs_vllm(session.items):
         start_vllm_server(session.config)
 
 
@@ -53,9 +49,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    """xdist controller: tell each worker where its groups and the vLLM launch go."""
-    node.workerinput[GROUPS_KEY] = str(groups_directory(node.config))
-    node.workerinput[SHARED_KEY] = str(shared_launch_path(node.config))
+    """xdist controller: tell each worker the run's shared folder (groups, the vLLM launch)."""
+    node.workerinput[RUN_FOLDER_KEY] = str(run_folder(node.config))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -69,7 +64,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """xdist controller: launch vLLM once, as soon as the first worker has collected."""
-    share_with_workers(node.config, ids)
+    share_with_workers(node.config, run_folder(node.config))
 
 
 def _require_sshd() -> None:

@@ -7,8 +7,8 @@ minute and more to come up, so it is launched early: ``tests/conftest.py`` calls
 ``vllm_server`` fixture, and the warm-up overlaps the rest of the run. The fixture then only
 waits for ``/health``, bounded, watching the process: if it exits, the test fails with the
 tail of its log. Under pytest-xdist the controller launches it instead, once for all workers
-(:func:`share_with_workers`, when the workers' collections reach it), and records where it
-listens in a file whose path each worker gets in ``workerinput``.
+(:func:`share_with_workers`, when a worker's collection flags a test that needs it), and
+records where it listens in the run's folder, whose path each worker gets in ``workerinput``.
 
 Without ``.venv-vllm`` the tests that need it skip, except under ``CI=true``, where they fail.
 The server's process group is killed at the end of the session.
@@ -41,13 +41,15 @@ import pytest
 
 from support.ports import unused_port
 from support.tiny_model import build_tiny_model
+from support.xdist_groups import RUN_FOLDER_KEY
 
 __all__ = [
     "VLLMServer",
     "VLLMStartError",
     "launched_vllm",
+    "needs_vllm",
+    "note_need",
     "share_with_workers",
-    "shared_launch_path",
     "start_vllm_server",
     "vllm_missing_reason",
     "vllm_server_fixture",
@@ -277,9 +279,9 @@ def start_vllm_server(config: pytest.Config) -> _Launch:
     global _launch
     if _launch is not None:
         return _launch
-    shared = getattr(config, "workerinput", {}).get(SHARED_KEY)
-    if shared is not None:
-        _launch = _attach(Path(shared))
+    folder = getattr(config, "workerinput", {}).get(RUN_FOLDER_KEY)
+    if folder is not None:
+        _launch = _attach(Path(folder) / LAUNCH_RECORD)
         return _launch
     missing = vllm_missing_reason()
     if missing is not None:
@@ -293,39 +295,35 @@ def start_vllm_server(config: pytest.Config) -> _Launch:
     return launch
 
 
-#: The key of xdist's ``workerinput`` that holds the path of the controller's launch record.
-SHARED_KEY = "agent_backend_vllm_launch"
-_shared: Path | None = None
+#: In the run's folder (support/xdist_groups.py): the controller's launch record, and the flag a
+#: worker leaves when it collected a test that uses the server.
+LAUNCH_RECORD = "vllm-launch.json"
+NEEDED_FLAG = "vllm-needed"
 
 
-def shared_launch_path(config: pytest.Config | None = None) -> Path:
-    """Controller: the file where the launch is recorded for the workers (one per session;
-    its folder is removed when ``config``, given on the first call, is cleaned up)."""
-    global _shared
-    if _shared is None:
-        folder = Path(tempfile.mkdtemp(prefix="vllm-launch-"))
-        _shared = folder / "launch.json"
-        if config is not None:
-            config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
-    return _shared
+def needs_vllm(items: Iterable[pytest.Item]) -> bool:
+    """Whether any of ``items`` uses the ``vllm_server`` fixture."""
+    return any("vllm_server" in getattr(item, "fixturenames", ()) for item in items)
 
 
-def share_with_workers(config: pytest.Config, test_ids: Iterable[str]) -> None:
-    """Controller of a pytest-xdist run: launch the one server when a collected test module
-    uses the fixture, and record it (or why there is none) for the workers. Once per run."""
-    path = shared_launch_path()
+def note_need(config: pytest.Config, items: Iterable[pytest.Item]) -> None:
+    """xdist worker, before it reports its collection: flag whether it collected a vLLM test."""
+    folder = getattr(config, "workerinput", {}).get(RUN_FOLDER_KEY)
+    if folder is not None and needs_vllm(items):
+        (Path(folder) / NEEDED_FLAG).touch()
+
+
+def share_with_workers(config: pytest.Config, folder: Path) -> None:
+    """Controller of a pytest-xdist run, when a worker has collected: launch the one server if
+    a worker flagged a test that uses it (:func:`note_need`), and record it (or why there is
+    none) for the workers. Once per run."""
+    path = folder / LAUNCH_RECORD
     if path.exists():
         return
-    files = {test_id.split("::", 1)[0] for test_id in test_ids}
-    needed = any(
-        "vllm_server_fixture" in (config.rootpath / name).read_text(encoding="utf-8")
-        for name in files
-        if name.endswith(".py") and (config.rootpath / name).is_file()
-    )
-    if needed:
+    if (folder / NEEDED_FLAG).exists():
         launch = start_vllm_server(config)
     else:
-        launch = _Launch(missing="no collected test module uses the vllm_server fixture")
+        launch = _Launch(missing="no collected test uses the vllm_server fixture")
     record: dict[str, object] = {"missing": launch.missing}
     if launch.server is not None:
         record |= {

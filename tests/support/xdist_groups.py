@@ -14,7 +14,7 @@ holds, and must run one after another on that worker:
 pytest-xdist's own ``--dist loadgroup`` carries ``xdist_group`` marks to its scheduler by
 renaming node ids, which pytest 9.2 no longer lets it do: the marks are silently ignored
 (pytest-dev/pytest-xdist#1386). So each worker writes the groups of what it collected to a
-file in a folder the controller named (in ``workerinput``), and the controller's scheduler,
+file in the run's folder, which the controller named (in ``workerinput``), and the controller's scheduler,
 the ``GroupScheduling`` of :func:`make_scheduler` (xdist's load-scope scheduling with its scope read from those files),
 sends each group to one worker as one unit; every other test is a unit of its own. Units go
 out in collection order, which :func:`order_items` sets: the longest groups first (Ray's; the
@@ -33,10 +33,11 @@ from typing import Any
 
 import pytest
 
-__all__ = ["GROUPS_KEY", "groups_directory", "make_scheduler", "order_items", "write_groups"]
+__all__ = ["RUN_FOLDER_KEY", "make_scheduler", "order_items", "run_folder", "write_groups"]
 
-#: The key of xdist's ``workerinput`` that holds the folder of the workers' group files.
-GROUPS_KEY = "agent_backend_test_groups"
+#: The key of xdist's ``workerinput`` that holds the run's shared folder: the workers' group
+#: files, and what support/vllm_server.py shares between the controller and the workers.
+RUN_FOLDER_KEY = "agent_backend_run_folder"
 GROUP_BY_FIXTURE = {"ray_cluster": "ray", "vllm_server": "vllm"}
 #: Where a group's unit goes in the queue: lower first; groups not named here come at 1.
 GROUP_RANK = {"ray": 0, "wheel": 0, "vllm": 3}
@@ -45,12 +46,12 @@ UNGROUPED_RANK = 2
 _directory: Path | None = None
 
 
-def groups_directory(config: pytest.Config | None = None) -> Path:
-    """Controller: the folder the workers write their group files to (one per session,
-    removed when ``config``, given on the first call, is cleaned up)."""
+def run_folder(config: pytest.Config | None = None) -> Path:
+    """Controller: the folder this run shares with its workers (one per session, removed
+    when ``config``, given on the first call, is cleaned up)."""
     global _directory
     if _directory is None:
-        _directory = path = Path(tempfile.mkdtemp(prefix="xdist-groups-"))
+        _directory = path = Path(tempfile.mkdtemp(prefix="pytest-run-"))
         if config is not None:
             config.add_cleanup(lambda: shutil.rmtree(path, ignore_errors=True))
     return _directory
@@ -86,11 +87,11 @@ def order_items(items: list[pytest.Item]) -> None:
 def write_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Worker: record the group of each collected test for the controller's scheduler."""
     workerinput: dict[str, Any] = getattr(config, "workerinput", {})
-    folder = workerinput.get(GROUPS_KEY)
+    folder = workerinput.get(RUN_FOLDER_KEY)
     if folder is None:
         return
     groups = {item.nodeid: group for item in items if (group := group_of(item)) is not None}
-    path = Path(folder) / f"{workerinput.get('workerid', os.getpid())}.json"
+    path = Path(folder) / f"groups-{workerinput.get('workerid', os.getpid())}.json"
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(groups), encoding="utf-8")
     partial.replace(path)  # the controller never reads half a file
@@ -116,7 +117,7 @@ def make_scheduler(config: pytest.Config, log: Any = None) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             if self._groups is None:
                 self._groups = {}
-                for path in sorted(groups_directory().glob("*.json")):
+                for path in sorted(run_folder().glob("groups-*.json")):
                     self._groups.update(json.loads(path.read_text(encoding="utf-8")))
             group = self._groups.get(nodeid)
             return nodeid if group is None else f"group:{group}"

@@ -24,6 +24,8 @@ from support.proc_helpers import (
 )
 from support.ssh_helpers import wait_until
 
+from agent_backend.backends import local as local_module
+from agent_backend.backends import local_owner
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Command
 from agent_backend.errors import BackendUnavailable, PoolClosed
@@ -247,6 +249,39 @@ async def test_reading_a_fifo_does_not_hang(host: LocalHost) -> None:
 
 
 # -- lifecycle -----------------------------------------------------------------------------------
+
+
+async def test_a_closed_workspace_is_gone_at_once_and_its_tree_removed_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "root"
+    removing = threading.Event()  # cleared: a removal of a tree is held
+    real_remove = local_owner.remove_tree
+
+    def held_remove(path: str) -> None:
+        removing.wait(10)
+        real_remove(path)
+
+    monkeypatch.setattr(local_module, "remove_tree", held_remove)
+    backend = LocalBackend(LocalPoolConfig(workspace_root=str(root), spare_workspaces=0))
+    await backend.start()
+    try:
+        host = backend.host
+        workspace = await host.make_workspace()
+        Path(workspace, "out.txt").write_text("x")  # noqa: ASYNC240
+        with anyio.fail_after(5):
+            await host.remove_workspace(workspace)  # does not wait for the tree's removal
+        assert not await anyio.Path(workspace).exists()
+        trash = [n for n in entries_of(root) if "-trash-" in n]
+        assert len(trash) == 1, entries_of(root)
+        removing.set()
+        assert await wait_until(
+            lambda: not any("-trash-" in n for n in entries_of(root)), within=10
+        )
+    finally:
+        removing.set()
+        await backend.aclose()
+    assert entries_of(root) == []
 
 
 async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: Path) -> None:

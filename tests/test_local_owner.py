@@ -162,6 +162,16 @@ def test_sweep_removes_a_link_with_an_owned_name_but_never_follows_it(
     assert names(root) == []
 
 
+def test_sweep_removes_every_kind_of_a_dead_owners_directories(root: Path) -> None:
+    lock = OwnerLock.acquire(str(root))
+    for kind in ("ws", "spare", "trash", "scratch"):
+        (root / f"{lock.prefix(kind)}abc").mkdir()
+        (root / f"{lock.prefix(kind)}abc" / "data.txt").write_text("x")
+    lock.release_lock_only()  # as if its process had died
+    assert len(sweep_dead_owners(str(root))) == 4
+    assert names(root) == []
+
+
 def test_directories_without_a_lock_file_are_left_alone(root: Path) -> None:
     (root / "agent-backend-ws-0123456789abcdef-abc").mkdir()
     (root / "agent-backend-ws-legacy").mkdir()

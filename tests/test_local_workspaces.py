@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -30,8 +31,15 @@ class Disk:
         self.made = 0
         self.removed = 0
         self.fail_makes = False
+        self.fail_removals = False
+        self.fail_discards = False
         self.gate = threading.Event()
         self.gate.set()
+        self.remove_gate = threading.Event()  # cleared: removals are held
+        self.remove_gate.set()
+        # Set: a removal waits (bounded) until this many makes are done, and notes if it ran out.
+        self.removals_wait_for_made: int | None = None
+        self.removal_starved_makes = False
         self.lock = threading.Lock()
 
     def make(self) -> str:
@@ -50,9 +58,26 @@ class Disk:
         return path
 
     def remove(self, path: str) -> None:
+        self.remove_gate.wait(10)
+        if self.removals_wait_for_made is not None:
+            deadline = time.monotonic() + 5
+            while self.made < self.removals_wait_for_made and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if self.made < self.removals_wait_for_made:
+                self.removal_starved_makes = True
+        if self.fail_removals:
+            raise PermissionError(13, "refused by the test", path)
         shutil.rmtree(path)
         with self.lock:
             self.removed += 1
+
+    def discard(self, path: str) -> str:
+        if self.fail_discards:
+            raise OSError(18, "Invalid cross-device link", path)
+        head, name = os.path.split(path)
+        trash = os.path.join(head, "trash-" + name.removeprefix("ws-"))
+        os.rename(path, trash)
+        return trash
 
     def listing(self) -> list[str]:
         return sorted(os.listdir(self.root))
@@ -72,13 +97,14 @@ async def disk(tmp_path: Path) -> Disk:
     return Disk(tmp_path)
 
 
-async def open_keeper(disk: Disk, max_spares: int) -> WorkspaceKeeper:
+async def open_keeper(disk: Disk, max_spares: int, *, trash: bool = False) -> WorkspaceKeeper:
     return WorkspaceKeeper(
         disk.make,
         disk.activate,
         disk.remove,
         max_spares=max_spares,
         loop=asyncio.get_running_loop(),
+        discard=disk.discard if trash else None,
     )
 
 
@@ -236,4 +262,103 @@ async def test_aclose_refuses_waiting_callers_is_idempotent_and_ends_the_threads
         await keeper.take()
     for path in [*left, *(str(disk.root / name) for name in disk.listing())]:
         if is_dir(path):
+            disk.remove(path)
+
+
+# -- with a discard function: renamed to trash, removed afterwards ---------------------------------
+
+
+async def test_remove_renames_to_trash_and_returns_before_the_tree_is_removed(disk: Disk) -> None:
+    keeper = await open_keeper(disk, max_spares=0, trash=True)
+    try:
+        path = await keeper.take()
+        Path(path, "data.txt").write_text("x")  # noqa: ASYNC240
+        disk.remove_gate.clear()  # no removal can finish now
+        with anyio.fail_after(5):
+            await keeper.remove(path)
+        assert not is_dir(path)  # gone under its name at once
+        assert disk.removed == 0
+        assert [n.split("-")[0] for n in disk.listing()] == ["trash"]
+        disk.remove_gate.set()
+        await until(lambda: disk.listing() == [], "the trash removed by a thread")
+        assert disk.removed == 1
+    finally:
+        disk.remove_gate.set()
+        assert await keeper.aclose() == []
+
+
+async def test_aclose_waits_for_the_trash(disk: Disk) -> None:
+    keeper = await open_keeper(disk, max_spares=0, trash=True)
+    paths = [await keeper.take() for _ in range(THREADS + 2)]
+    disk.remove_gate.clear()
+    for path in paths:
+        await keeper.remove(path)
+    assert len(disk.listing()) == THREADS + 2  # all trash, none removed yet
+    async with anyio.create_task_group() as group:
+        group.start_soon(keeper.aclose)
+        await anyio.lowlevel.checkpoint()
+        assert keeper.running  # held by the removals
+        disk.remove_gate.set()
+    assert not keeper.running
+    assert disk.removed == THREADS + 2
+    assert disk.listing() == []
+
+
+async def test_a_trash_removal_that_fails_is_logged_and_left_to_aclose(
+    disk: Disk, caplog: pytest.LogCaptureFixture
+) -> None:
+    keeper = await open_keeper(disk, max_spares=0, trash=True)
+    path = await keeper.take()
+    disk.fail_removals = True
+    with caplog.at_level("WARNING", logger="agent_backend.backends.local"):
+        await keeper.remove(path)  # returns: nobody waits for the trash
+        await until(
+            lambda: any("could not remove workspace" in r.message for r in caplog.records),
+            "the failure logged",
+        )
+    left = await keeper.aclose()
+    assert [os.path.basename(p) for p in left] == disk.listing()
+    assert [n.split("-")[0] for n in disk.listing()] == ["trash"]
+
+
+async def test_a_failed_rename_to_trash_falls_back_to_a_removal_waited_for(disk: Disk) -> None:
+    keeper = await open_keeper(disk, max_spares=0, trash=True)
+    try:
+        disk.fail_discards = True
+        path = await keeper.take()
+        await keeper.remove(path)
+        assert disk.removed == 1  # removed in place before remove() returned
+        assert disk.listing() == []
+        path = await keeper.take()
+        disk.fail_removals = True
+        with pytest.raises(PermissionError, match="refused by the test"):
+            await keeper.remove(path)  # and its error reaches the caller
+    finally:
+        disk.fail_removals = False
+        for left in await keeper.aclose():
+            disk.remove(left)
+
+
+async def test_spares_are_made_before_the_trash_is_removed(disk: Disk) -> None:
+    keeper = await open_keeper(disk, max_spares=2 * THREADS, trash=True)
+    try:
+        first = [await keeper.take() for _ in range(2 * THREADS)]
+        await until(lambda: keeper.spares == 2 * THREADS, "a spare for each in use")
+        made = disk.made
+        disk.gate.clear()  # the threads now hold in the makes of the next spares
+        second = [await keeper.take() for _ in range(2 * THREADS)]  # the spares: no make
+        for path in [*first, *second]:
+            await keeper.remove(path)  # trash queued behind the makes
+        # A removal holds its thread until every spare owed is made: only the other
+        # threads, picking spares before trash, can make them.
+        disk.removals_wait_for_made = made + 2 * THREADS
+        disk.gate.set()
+        await until(lambda: keeper.spares == 2 * THREADS, "the spares made again")
+        await until(lambda: disk.removed == 4 * THREADS, "then the trash removed")
+        assert not disk.removal_starved_makes
+        assert [n.split("-")[0] for n in disk.listing()] == ["spare"] * (2 * THREADS)
+    finally:
+        disk.gate.set()
+        disk.removals_wait_for_made = None
+        for path in await keeper.aclose():
             disk.remove(path)

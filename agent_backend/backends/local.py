@@ -206,6 +206,7 @@ class LocalHost(Host):
                 lambda path: remove_tree(path),
                 max_spares=self.config.spare_workspaces,
                 loop=asyncio.get_running_loop(),
+                discard=self._discard,
             )
         self._started = True
 
@@ -224,6 +225,19 @@ class LocalHost(Host):
         path = os.path.join(head, owner.prefix("ws") + name.removeprefix(owner.prefix("spare")))
         os.rename(spare, path)
         return path
+
+    def _discard(self, path: str) -> str:
+        """Rename a closed workspace to a trash name (``-ws-<token>-X`` to ``-trash-<token>-X``)."""
+        owner = self._owner
+        if owner is None:
+            raise PoolClosed("the local backend is closed")
+        head, name = os.path.split(path)
+        prefix = owner.prefix("ws")
+        if not name.startswith(prefix):
+            raise OSError(errno.EINVAL, f"not a workspace name: {name!r}")
+        trash = os.path.join(head, owner.prefix("trash") + name.removeprefix(prefix))
+        os.rename(path, trash)
+        return trash
 
     async def aclose(self) -> None:
         """End every call in flight, then remove every workspace left; idempotent."""

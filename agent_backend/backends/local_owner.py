@@ -7,7 +7,8 @@ killed (SIGKILL, the OOM killer, a Ray worker killed mid-episode) cannot. So:
   exclusive ``flock`` on ``agent-backend-owner-<token>.lock`` in its workspace
   root for as long as it is open, and names its directories
   ``agent-backend-ws-<token>-*``, ``agent-backend-spare-<token>-*`` (spare
-  workspaces, made ahead) and ``agent-backend-scratch-<token>-*``;
+  workspaces, made ahead), ``agent-backend-trash-<token>-*`` (closed
+  workspaces waiting to be removed) and ``agent-backend-scratch-<token>-*``;
 * the kernel releases the lock when the process dies, however it dies;
 * a backend that starts takes every owner lock it can in its root: each one
   it gets belongs to an owner that is gone, whose directories it removes,
@@ -42,7 +43,7 @@ logger = logging.getLogger("agent_backend.backends.local")
 
 _PREFIX = "agent-backend-"
 _LOCK = re.compile(r"agent-backend-owner-([0-9a-f]{16})\.lock(\.tmp)?\Z")
-_OWNED = re.compile(r"agent-backend-(?:ws|spare|scratch)-([0-9a-f]{16})-")
+_OWNED = re.compile(r"agent-backend-(?:ws|spare|trash|scratch)-([0-9a-f]{16})-")
 _ATTEMPTS = 5
 
 
@@ -80,7 +81,10 @@ class OwnerLock:
         raise OSError(errno.EAGAIN, f"could not claim an owner lock in {root}")
 
     def prefix(self, kind: str) -> str:
-        """The name prefix of this owner's directories of ``kind`` (``ws``, ``spare``, ``scratch``)."""
+        """The name prefix of this owner's directories of ``kind``.
+
+        ``ws``, ``spare``, ``trash`` or ``scratch``.
+        """
         return f"{_PREFIX}{kind}-{self.token}-"
 
     def release(self) -> None:

@@ -1,7 +1,7 @@
 """Token-in/token-out episodes through the real vLLM CPU server: ours against verl's ToolAgentLoop.
 
-    .venv/bin/python bench/rollout_vllm_bench.py [--quick] [--rounds N (30)] [--concurrency 1,16,64]
-                                                 [--peer-http aiohttp|httpx]
+    .venv/bin/python bench/rollout_vllm_bench.py [--quick] [--rounds N (16)] [--waves W (4)]
+                                                 [--concurrency 1,16,64] [--peer-http aiohttp|httpx]
 
 One vLLM server (``.venv-vllm``, tests/support/vllm_server.py; the tiny random model of
 tests/support/tiny_model.py, ``--max-num-seqs 64`` so that 64 episodes really decode
@@ -25,7 +25,16 @@ run two ways, in alternating rounds so that machine noise hits both alike:
   returning verl's ``TokenOutput``) and the tool (a ``BaseTool`` subclass
   running the same command in ``/bin/sh``, a real subprocess).
 
-Figures, at each concurrency (episodes in flight at once):
+Figures, at each concurrency C (episodes in flight at once). A round runs
+``W x C`` episodes (``--waves``, 4; at least 8) through C slots on either side,
+each slot starting the next episode as soon as its last one ends: the rate a
+rollout step sustains with C episodes in flight. One wave (``--waves 1``, C
+episodes started together, what the bench ran before) measures the slowest of
+C episodes instead: on two cores shared with the server, whose engine and
+worker processes spin for a second after every step, a round of one wave
+lasted 0.5 to 2.7 s on either side, and the median of 30 rounds' ratios moved
+from 0.84 to 1.07 between runs of the same code.
+
 
 * episodes/s ours and peer, and their ratio (the median of the rounds'
   ratios); target: ratio >= 1.0 at every concurrency;
@@ -41,9 +50,9 @@ episode made its one tool call and two turns, and the prompts the server got
 are compared (the first turn's must be identical; the second's may differ where
 the two loops render the tool result differently). After them, for the
 diagnosis: this process's CPU per episode, the vLLM server's CPU per episode
-(its processes, with psutil), how spread out in time each side's requests of a
-round went out (first turns and second turns apart: the server batches what
-arrives together), each side's fastest round (noise only adds time; not the
+(its processes, with psutil), with ``--waves 1`` how spread out in time each
+side's requests of a round went out (first turns and second turns apart: the
+server batches what arrives together), each side's fastest round (noise only adds time; not the
 figure), and our sampler's retries.
 ``--peer-http httpx`` gives the peer's server manager httpx with keep-alive
 instead of aiohttp, the client our sampler had before this bench showed what
@@ -131,6 +140,7 @@ GUIDED_TOKENS = 160  # guided ids come out about a character at a time: room for
 FREE_TOKENS = 24
 CONCURRENCY = (1, 16, 64)
 MIN_EPISODES = 8  # per round: at concurrency 1, eight episodes one after the other
+WAVES = 4  # a round: this many times the concurrency in episodes, slots refilled as they free
 MAX_NUM_SEQS = 64
 # Every prompt prefilled in one step: on CPU a seeded request whose prefill is chunked kills
 # the engine ("CPU Generator does not use offset"; see tests/support/vllm_server.py).
@@ -599,10 +609,11 @@ class Result:
 async def measure(
     concurrency: int,
     rounds: int,
+    waves: int,
     ours: tuple[TokenPolicy, Dispatcher, list[dict[str, Any]]],
     peer: Peer,
 ) -> Result:
-    count = max(concurrency, MIN_EPISODES)
+    count = max(concurrency * waves, MIN_EPISODES)
     result = Result(concurrency, count, [], [])
     # Warm-up: connections, caches, the server's prefix cache for these prompts.
     await ours_round(*ours, count, concurrency)
@@ -712,7 +723,8 @@ async def run_bench(
     )
     print(
         f"{TURNS}-turn episodes (guided exec call, then {FREE_TOKENS} free tokens) through vLLM at "
-        f"{server.url}; concurrency {levels}; rounds: {rounds} per side (after a warm-up);"
+        f"{server.url}; concurrency {levels}; rounds: {rounds} per side (after a warm-up) of"
+        f" {args.waves} x the concurrency in episodes;"
         f" the peer's server manager over {args.peer_http}"
     )
     results: list[Result] = []
@@ -736,7 +748,9 @@ async def run_bench(
             print(f"check  {line}")
         for concurrency in levels:
             started = time.perf_counter()
-            result = await measure(concurrency, rounds, (policy, dispatcher, tools), peer)
+            result = await measure(
+                concurrency, rounds, args.waves, (policy, dispatcher, tools), peer
+            )
             results.append(result)
             print(
                 f"concurrency {concurrency:>3}: {result.episodes} episodes a round,"
@@ -813,8 +827,8 @@ async def run_bench(
                 f" ours {ours_server:.1f} ms, peer {peer_server:.1f} ms"
             )
     for r in results:
-        if r.concurrency == 1:
-            continue  # one episode at a time: its requests are never together
+        if r.concurrency == 1 or args.waves != 1:
+            continue  # one episode at a time, or a stream: its requests are never together
         first, later = (
             {side: statistics.median(s[i] for s in r.spreads[side]) for side in ("ours", "peer")}
             for i in (0, 1)
@@ -841,10 +855,15 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="2 rounds per side and concurrency")
-    # A round is short (1.5-3.5 s a side): over so short a time the shared machine's noise
-    # moves one round's ratio from 0.8 to 1.5 at 1 episode at once, and from 0.3 to 5 at 16
-    # and 64; the median of 10 rounds still swung by 0.1 to 0.3 from one run to the next.
-    parser.add_argument("--rounds", type=int, default=30, help="rounds per side and concurrency")
+    # The shared machine's noise moves one round's ratio by tenths (rounds of one wave: from
+    # 0.3 to 3); the figure is the median of the rounds' ratios.
+    parser.add_argument("--rounds", type=int, default=16, help="rounds per side and concurrency")
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=WAVES,
+        help="episodes per round, in multiples of the concurrency (1: one wave started together)",
+    )
     parser.add_argument(
         "--peer-http",
         choices=("aiohttp", "httpx"),

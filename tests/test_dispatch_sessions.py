@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 from support.proc_helpers import entries, slow_local_disk, wait_dead, watch_loop
+from support.ssh_helpers import wait_until
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch import Dispatcher, Session, builtin_tools
@@ -72,6 +74,39 @@ async def test_a_session_pins_host_and_workspace_and_removes_it(
         assert session.is_closed()
         with pytest.raises(PoolClosed, match="closed"):
             await session.call(("exec", {"command": "true"}))
+
+
+async def test_opening_and_closing_a_session_with_a_spare_takes_no_trip_through_the_loop(
+    pool: LocalBackend,
+) -> None:
+    """Every trip an episode's open or close takes waits behind all the loop's ready work:
+    beside a busy policy server one such trip cost tens of ms (bench/rollout_vllm_bench.py)."""
+    trips = 0
+
+    async def count_trips() -> None:
+        nonlocal trips
+        while True:
+            await anyio.lowlevel.checkpoint()
+            trips += 1
+
+    async with Dispatcher(tools(), pool) as dispatcher:
+        async with dispatcher.session():
+            pass  # the first one: spares are made after it
+        assert await wait_until(lambda: len(pool.host.spare_workspaces()) == 1, within=10)
+        async with anyio.create_task_group() as group:
+            group.start_soon(count_trips)
+            await anyio.lowlevel.checkpoint()  # the counter runs
+            session = dispatcher.session()
+            before = trips
+            await session.open()
+            opened = trips
+            path = session.workspace
+            await session.aclose()
+            closed = trips
+            group.cancel_scope.cancel()
+        assert path is not None
+        assert not await anyio.Path(path).exists()
+        assert (opened - before, closed - opened) == (0, 0)
 
 
 async def test_sessions_are_isolated(pool: LocalBackend) -> None:

@@ -26,7 +26,7 @@ run two ways, in alternating rounds so that machine noise hits both alike:
   running the same command in ``/bin/sh``, a real subprocess).
 
 Figures, at each concurrency C (episodes in flight at once). A round runs
-``W x C`` episodes (``--waves``, 4; at least 8) through C slots on either side,
+``W x C`` episodes (``--waves``, 4; at least 16) through C slots on either side,
 each slot starting the next episode as soon as its last one ends: the rate a
 rollout step sustains with C episodes in flight. One wave (``--waves 1``, C
 episodes started together, what the bench ran before) measures the slowest of
@@ -139,7 +139,9 @@ TURNS = 2
 GUIDED_TOKENS = 160  # guided ids come out about a character at a time: room for the whole call
 FREE_TOKENS = 24
 CONCURRENCY = (1, 16, 64)
-MIN_EPISODES = 8  # per round: at concurrency 1, eight episodes one after the other
+# Per round, at least: at concurrency 1, sixteen episodes one after the other (eight made a
+# round of about 2.5 s, whose ratio spread from 0.80 to 1.19 on this shared machine).
+MIN_EPISODES = 16
 WAVES = 4  # a round: this many times the concurrency in episodes, slots refilled as they free
 MAX_NUM_SEQS = 64
 # Every prompt prefilled in one step: on CPU a seeded request whose prefill is chunked kills

@@ -218,26 +218,24 @@ class LocalHost(Host):
 
     def _activate(self, spare: str) -> str:
         """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``)."""
-        owner = self._owner
-        if owner is None:
-            raise PoolClosed("the local backend is closed")
-        head, name = os.path.split(spare)
-        path = os.path.join(head, owner.prefix("ws") + name.removeprefix(owner.prefix("spare")))
-        os.rename(spare, path)
-        return path
+        return self._rename_kind(spare, "spare", "ws")
 
     def _discard(self, path: str) -> str:
         """Rename a closed workspace to a trash name (``-ws-<token>-X`` to ``-trash-<token>-X``)."""
+        return self._rename_kind(path, "ws", "trash")
+
+    def _rename_kind(self, path: str, old: str, new: str) -> str:
+        """Rename this owner's directory ``path`` of kind ``old`` to kind ``new``; the new path."""
         owner = self._owner
         if owner is None:
             raise PoolClosed("the local backend is closed")
         head, name = os.path.split(path)
-        prefix = owner.prefix("ws")
+        prefix = owner.prefix(old)
         if not name.startswith(prefix):
-            raise OSError(errno.EINVAL, f"not a workspace name: {name!r}")
-        trash = os.path.join(head, owner.prefix("trash") + name.removeprefix(prefix))
-        os.rename(path, trash)
-        return trash
+            raise OSError(errno.EINVAL, f"not a {old} directory of this backend: {name!r}")
+        renamed = os.path.join(head, owner.prefix(new) + name.removeprefix(prefix))
+        os.rename(path, renamed)
+        return renamed
 
     async def aclose(self) -> None:
         """End every call in flight, then remove every workspace left; idempotent."""

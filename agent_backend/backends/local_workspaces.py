@@ -28,10 +28,11 @@ from one queue, and keeps **spares** made ahead:
   on two cores, 84 ms of its time per turn at 16 concurrent episodes, 158 ms at
   64 (``bench/rollout_vllm_bench.py``), more than its tool calls took. A
   removal that fails later is logged (a session's close logs its failures and
-  never raises them either), and the directory is left for the next backend
-  to start in the root, as a dead owner's. :meth:`WorkspaceKeeper.aclose`
-  waits for the trash. Without a ``discard`` function, or when the rename
-  fails, ``remove`` waits until the tree is gone and raises its error.
+  never raises them either) and handed back by :meth:`WorkspaceKeeper.aclose`,
+  which waits for the trash: the backend tries it again there, and what is
+  still left goes to the next backend to start in the root, as a dead
+  owner's. Without a ``discard`` function, or when the rename fails,
+  ``remove`` waits until the tree is gone and raises its error.
 
 The jobs go in order: callers waiting for a workspace, removals a caller waits
 for, spares, then trash: a rollout's next episodes find their spares made

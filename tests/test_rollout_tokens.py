@@ -324,7 +324,7 @@ async def test_the_vllm_sampler_sends_token_ids_and_reads_ids_and_logprobs() -> 
         VLLMTokenSampler(url, model="m", max_tokens=8, extra_body={"seed": 1}) as sampler,
     ):
         out = await sampler.sample([1, 2, 3], max_tokens=4)
-    assert out == SampledTokens([5, 6], [-0.1, -0.2], "length")
+    assert out == SampledTokens([5, 6], [-0.1, -0.2], "length", versions=(0, 0))
     assert sampler.url == f"{url}/v1/completions"
     body = seen[0]
     assert body["prompt"] == [1, 2, 3]

@@ -91,6 +91,7 @@ def test_schema_has_exactly_the_issue_fields() -> None:
         "completion_mask",
         "logprobs",
         "turn_spans",
+        "turn_versions",
         "reward",
         "rewards",
         "policy_version_start",

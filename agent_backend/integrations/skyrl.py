@@ -551,6 +551,8 @@ def _env_metrics(row: Trajectory) -> dict[str, Any]:
         "placeholder": is_placeholder(row),
         "error": row.error,
         "policy_version": row.policy_version_start,
+        "policy_version_end": row.policy_version_end,
+        "turn_versions": [list(v) for v in row.turn_versions],
     }
 
 

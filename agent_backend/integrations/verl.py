@@ -185,7 +185,13 @@ class VerlTokenSampler:
         left = self.first_prompt_length + self.response_length - len(prompt)
         limit = left if max_tokens is None else min(max_tokens, left)
         if limit <= 0:
-            return SampledTokens(token_ids=[], logprobs=[], finish_reason="length")
+            high = self.max_global_steps
+            return SampledTokens(
+                token_ids=[],
+                logprobs=[],
+                finish_reason="length",
+                versions=None if high is None else (high, high),
+            )
         params = {**self.sampling_params, "max_tokens": limit, "logprobs": True}
         try:
             output = await self.server_manager.generate(
@@ -199,7 +205,7 @@ class VerlTokenSampler:
                 f"verl's server manager failed: {type(exc).__name__}: {exc}", retryable=True
             ) from exc
         self.turns += 1
-        self._note(output)
+        versions = self._note(output)
         stop = getattr(output, "stop_reason", None)
         if stop in ("aborted", "abort"):
             raise PolicyError("verl's rollout server aborted the request", retryable=True)
@@ -218,9 +224,11 @@ class VerlTokenSampler:
             token_ids=ids,
             logprobs=[float(v) if v is not None else None for v in logprobs],
             finish_reason=finish,
+            versions=versions,
         )
 
-    def _note(self, output: Any) -> None:
+    def _note(self, output: Any) -> tuple[int, int] | None:
+        """Count what verl's answer says; the weights versions (``global_steps``) of its turn."""
         preempted = getattr(output, "num_preempted", None)
         if preempted is not None:
             self.num_preempted = (self.num_preempted or 0) + int(preempted)
@@ -237,6 +245,9 @@ class VerlTokenSampler:
             self.max_global_steps = (
                 high if self.max_global_steps is None else max(self.max_global_steps, high)
             )
+        if low is None or high is None:
+            return None
+        return low, max(low, high)
 
 
 # -- tools: one dispatcher per worker process ----------------------------------------------------
@@ -418,6 +429,7 @@ def to_agent_loop_output(
         "non_finite_logprobs": int(record.extras.get("non_finite_logprobs", 0)),
         "placeholder": placeholder,
         "truncated": truncated,
+        "turn_versions": [list(v) for v in record.turn_versions],
     }
     clash = (reserved | {"uid"}) & extra.keys()
     for key in clash:

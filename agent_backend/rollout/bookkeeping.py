@@ -20,7 +20,15 @@ from agent_backend.rollout.ledger import ResumeLedger
 from agent_backend.rollout.logprobs import NonFiniteStats
 from agent_backend.rollout.runner import Episode, EpisodeSummary
 
-__all__ = ["FAILED_STOP_REASONS", "INFRA_FAILURES", "Group", "RolloutStatistics", "Run", "Tally"]
+__all__ = [
+    "FAILED_STOP_REASONS",
+    "INFRA_FAILURES",
+    "Admission",
+    "Group",
+    "RolloutStatistics",
+    "Run",
+    "Tally",
+]
 
 #: Stop reasons of episodes that failed (the others ended as the policy or a limit decided).
 FAILED_STOP_REASONS: Final[frozenset[str]] = frozenset(
@@ -43,7 +51,8 @@ class RolloutStatistics:
     groups_delivered: int
     """Groups taken durably by the writer or the trainer (their prompts are trained)."""
     groups_dropped: int
-    """Groups dropped as stale at delivery (their prompts are dropped, never trained)."""
+    """Groups dropped at delivery, as stale or with every rollout dropped (their prompts are
+    dropped, never trained)."""
     groups_failed: int
     """Groups whose every episode failed, even after retries: left for a later run."""
     rollouts_dropped: int
@@ -61,6 +70,11 @@ class RolloutStatistics:
     mode; each started a new segment). Token-in/token-out runs have none."""
     episodes_split: int = 0
     """Episodes that came back as more than one record because of those rewrites."""
+    groups_stale: int = 0
+    """Of ``groups_dropped``, those dropped as older than ``max_staleness``: sampled for
+    nothing (admission by staleness keeps this at 0)."""
+    admission_waits: int = 0
+    """Times a group waited for the trainer's next weights before it was started."""
 
     @property
     def tool_calls_per_second(self) -> float:
@@ -88,6 +102,8 @@ class Tally:
     stop_reasons: Counter[str] = dataclasses.field(default_factory=Counter)
     history_rewrites: int = 0
     episodes_split: int = 0
+    groups_stale: int = 0
+    admission_waits: int = 0
 
     def count(self, summary: EpisodeSummary) -> None:
         """An episode ended."""
@@ -119,6 +135,8 @@ class Group:
     index: int
     episodes: list[Episode]
     attempts: int
+    seq: int = 0
+    """The order in which the group was admitted (its place in delivery, under admission)."""
 
     @property
     def oldest_version(self) -> int:
@@ -151,6 +169,8 @@ class Run:
         self.by_reference = by_reference
         self.scope: anyio.CancelScope | None = None
         self.errors: list[Exception] = []
+        self.admission: Admission | None = None
+        """Staleness at admission, for a stream with ``max_staleness`` (None: none)."""
 
     async def guard(self, function: Callable[..., Awaitable[Any]], *args: Any) -> None:
         try:
@@ -166,3 +186,67 @@ class Run:
             if len(self.errors) > 1:
                 first.add_note(f"{len(self.errors) - 1} more error(s) ended this run too")
             raise first
+
+
+class Admission:
+    """Staleness at admission: a group is started only if it will be trained within
+    ``max_staleness`` policy versions of the weights that sample it.
+
+    The trainer takes batches of ``groups_per_batch`` groups, in the order the groups were
+    admitted (:attr:`Group.seq`), and moves the policy at most one version per batch (an
+    update after training on it). Batch ``j`` of the stream is then taken at version at most
+    ``base + j - skipped`` (``skipped``: batches asked for with no update since the one
+    before). A group admitted at version ``v = base + u`` as the ``i``-th group that takes
+    a place in a batch lands in batch ``i // groups_per_batch``; admitting only while
+    ``i < (u + skipped + max_staleness + 1) * groups_per_batch`` keeps its lag at most
+    ``max_staleness``. Wasted groups (failed in every episode, dropped) take no place.
+    """
+
+    def __init__(self, max_staleness: int, groups_per_batch: int, base: int) -> None:
+        self.max_staleness = max_staleness
+        self.groups_per_batch = groups_per_batch
+        self.base = base
+        self.admitted = 0
+        self.wasted = 0
+        self.skipped = 0
+        self.batches = 0
+        self._updated = False
+        self._changed = anyio.Event()
+
+    def room(self, version: int) -> bool:
+        versions_ahead = version - self.base + self.skipped + self.max_staleness + 1
+        return self.admitted - self.wasted < versions_ahead * self.groups_per_batch
+
+    def admit(self) -> int:
+        """Take a place; the group's ``seq``."""
+        seq = self.admitted
+        self.admitted += 1
+        return seq
+
+    def waste(self) -> None:
+        """A group admitted will take no place in a batch."""
+        self.wasted += 1
+        self.changed()
+
+    def updated(self) -> None:
+        """The policy moved to a new version."""
+        self._updated = True
+        self.changed()
+
+    def batch_asked(self) -> None:
+        """The trainer asks for its next batch (called before the batch is formed)."""
+        if self.batches and not self._updated:
+            self.skipped += 1  # trained on the last batch without moving the weights
+            self.changed()
+
+    def batch_taken(self) -> None:
+        self.batches += 1
+        self._updated = False
+
+    def changed(self) -> None:
+        """The version moved or a place freed: wake the producer."""
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait(self) -> None:
+        await self._changed.wait()

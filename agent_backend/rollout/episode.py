@@ -65,7 +65,6 @@ from agent_backend.errors import (
 )
 from agent_backend.rollout import defaults
 from agent_backend.rollout.policy import AssistantTurn, Policy
-from agent_backend.rollout.tokens import TokenPolicy
 from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
 from agent_backend.tools import ToolCall, ToolRegistry, call_function
 
@@ -257,6 +256,8 @@ class _Episode:
         self.env_time = 0.0
         self.reward_time = 0.0
         self.version_end: int | None = None
+        self.version_first: int | None = None
+        self.last_versions: tuple[int, int] | None = None
         self.host: str | None = None
         self.hosts: dict[str, str] = {}
 
@@ -299,8 +300,10 @@ async def run_episode(
             and after each turn (default: always 0).
     """
     config = config or EpisodeConfig()
-    if isinstance(policy, TokenPolicy):
-        policy = policy.for_episode()  # token-in/token-out: this episode's own token stream
+    for_episode = getattr(policy, "for_episode", None)
+    if callable(for_episode):
+        # This episode's own view: its token stream (TokenPolicy), its server (both kinds).
+        policy = for_episode()
     if ids is None:
         import secrets
 
@@ -377,12 +380,30 @@ async def _turns(
                 return
             max_tokens = remaining if max_tokens is None else min(max_tokens, remaining)
         began = time.perf_counter()
+        sent = version()
         try:
             turn = await policy.generate(episode.messages, schema, max_tokens=max_tokens)
         finally:
             episode.policy_time += time.perf_counter() - began
-        episode.version_end = version()
-        _record_turn(episode, turn)
+        # The versions the policy's servers saw when they sampled it; a policy that does not
+        # know them: the pool's version when the turn was asked for and when it came.
+        versions = turn.versions
+        if versions is None:
+            last = episode.last_versions
+            # A policy that gave versions before and none now (a turn it did not sample,
+            # such as an empty one at the length limit): its last answered version.
+            versions = (last[1], last[1]) if last is not None else (sent, version())
+        else:
+            episode.last_versions = versions
+        episode.version_end = (
+            versions[1] if episode.version_end is None else max(episode.version_end, versions[1])
+        )
+        episode.version_first = (
+            versions[0]
+            if episode.version_first is None
+            else (min(episode.version_first, versions[0]))
+        )
+        _record_turn(episode, turn, versions)
         if turn.drop_error is not None:
             episode.dropped = True
             episode.stop("rollout_error", turn.drop_error)
@@ -412,8 +433,10 @@ async def _turns(
             return
 
 
-def _record_turn(episode: _Episode, turn: AssistantTurn) -> None:
-    episode.builder.add_turn(turn.prompt_ids, turn.completion_ids, turn.logprobs, mask=turn.mask)
+def _record_turn(episode: _Episode, turn: AssistantTurn, versions: tuple[int, int]) -> None:
+    episode.builder.add_turn(
+        turn.prompt_ids, turn.completion_ids, turn.logprobs, mask=turn.mask, versions=versions
+    )
     episode.messages.append(turn.message)
     episode.turns += 1
     episode.non_finite += turn.non_finite
@@ -518,6 +541,8 @@ def _build(
         extras["host"] = episode.host
     if len(episode.hosts) > 1 or (episode.hosts and episode.host is None):
         extras["hosts"] = episode.hosts  # pool name -> host, when not all on the default pool
+    if episode.version_first is not None:  # the weights of the first sampled token
+        version_start = episode.version_first
     version_end = episode.version_end if episode.version_end is not None else version_start
     fields: dict[str, Any] = {
         "rollout_id": ids.rollout_id,

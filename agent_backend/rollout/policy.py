@@ -66,10 +66,12 @@ from agent_backend.rollout.server_client import (
     token_ids,
     v1_url,
 )
+from agent_backend.rollout.servers import Sticky
 from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
 
 __all__ = [
     "AssistantTurn",
+    "EpisodeChat",
     "Messages",
     "OpenAICompatiblePolicy",
     "Policy",
@@ -116,6 +118,9 @@ class AssistantTurn:
     """How many logprobs of this turn were NaN, infinite or missing."""
     drop_error: str | None = None
     """Set when the rollout must be dropped (non-finite logprobs under the ``drop`` policy)."""
+    versions: tuple[int, int] | None = None
+    """The policy versions when the turn was sent and when it was answered (equal unless a
+    ``continue`` weight update crossed it); None when the policy does not know them."""
 
     @classmethod
     def sampled(
@@ -127,6 +132,7 @@ class AssistantTurn:
         completion_ids: list[int],
         check: LogprobCheck,
         finish_reason: object,
+        versions: tuple[int, int] | None = None,
     ) -> AssistantTurn:
         """The turn of one sampled completion whose logprobs ``check`` made safe to keep
         (a missing ``finish_reason`` is ``stop``)."""
@@ -141,6 +147,7 @@ class AssistantTurn:
             finish_reason=str(finish_reason) if finish_reason else "stop",
             non_finite=check.count,
             drop_error=check.error,
+            versions=versions,
         )
 
 
@@ -226,15 +233,26 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         return self._sampling(body, max_tokens)
 
     async def generate(
-        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
+        self,
+        messages: Messages,
+        tools: ToolSpecs,
+        *,
+        max_tokens: int | None = None,
+        sticky: Sticky | None = None,
     ) -> AssistantTurn:
-        """Sample one turn; :class:`PolicyError` when the server fails or answers unusably."""
+        """Sample one turn; :class:`PolicyError` when the server fails or answers unusably.
+        ``sticky`` keeps the turns of one episode on one server (:meth:`for_episode`)."""
         return await self._request(
             functools.partial(self.request_body, messages, tools, max_tokens=max_tokens),
             self._turn,
+            sticky,
         )
 
-    def _turn(self, data: Any) -> AssistantTurn:
+    def for_episode(self) -> EpisodeChat:
+        """This policy for one episode: its turns stay on one server while it is up."""
+        return EpisodeChat(self)
+
+    def _turn(self, data: Any, versions: tuple[int, int]) -> AssistantTurn:
         if not isinstance(data, dict):
             raise self._unusable("a JSON object")
         choice = self._first_choice(data)
@@ -265,7 +283,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         )
         calls, finish = parse_tool_calls(message), choice.get("finish_reason")
         return AssistantTurn.sampled(
-            message, text, calls, prompt_ids, completion_ids, check, finish
+            message, text, calls, prompt_ids, completion_ids, check, finish, versions
         )
 
     def _prompt_ids(self, data: dict[str, Any], choice: dict[str, Any]) -> list[int]:
@@ -314,3 +332,21 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             if entries:
                 return parsed
         raise self._no_completion_ids()
+
+
+class EpisodeChat:
+    """One episode's view of an :class:`OpenAICompatiblePolicy`: what ``for_episode()`` returns."""
+
+    def __init__(self, policy: OpenAICompatiblePolicy) -> None:
+        self.policy = policy
+        self._sticky = Sticky()
+
+    def __repr__(self) -> str:
+        return f"<EpisodeChat {self.policy!r}>"
+
+    async def generate(
+        self, messages: Messages, tools: ToolSpecs, *, max_tokens: int | None = None
+    ) -> AssistantTurn:
+        return await self.policy.generate(
+            messages, tools, max_tokens=max_tokens, sticky=self._sticky
+        )

@@ -51,7 +51,9 @@ dropped group as trained.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -60,6 +62,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, Literal, Self, TypeVar, o
 
 import anyio
 import anyio.abc
+import anyio.from_thread
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -69,6 +72,7 @@ from agent_backend.lifecycle import AsyncResource
 from agent_backend.rollout import defaults
 from agent_backend.rollout.bookkeeping import (
     FAILED_STOP_REASONS,
+    Admission,
     Group,
     RolloutStatistics,
     Run,
@@ -79,7 +83,9 @@ from agent_backend.rollout.ledger import ResumeLedger
 from agent_backend.rollout.logprobs import NonFiniteCounters
 from agent_backend.rollout.policy import Policy
 from agent_backend.rollout.runner import Episode, EpisodeRunner, EpisodeSummary, episode_runner
+from agent_backend.rollout.servers import PolicyServers, UpdateReport, servers_of
 from agent_backend.rollout.trajectory import Trajectory
+from agent_backend.rollout.weight_sync import InFlight
 from agent_backend.rollout.writers import TrajectoryWriter
 from agent_backend.tools import ToolRegistry
 
@@ -143,6 +149,8 @@ class RolloutPool(AsyncResource):
         max_failed_groups: int | None = 8,
         max_buffered_groups: int | None = None,
         counters: NonFiniteCounters | None = None,
+        servers: PolicyServers | None = None,
+        admission: bool = True,
     ) -> None:
         """
         Args:
@@ -158,7 +166,10 @@ class RolloutPool(AsyncResource):
             concurrency: episodes running at once, over all groups.
             episode: the limits of each episode.
             max_staleness: most policy versions a group may lag at delivery; None: any.
-            policy_version: the version of the policy's weights now.
+                A group older is dropped when it is delivered (counted in ``groups_stale``);
+                with ``admission``, :meth:`stream` also starts a group only if it will be
+                trained in time (and delivers groups in the order they were started).
+            policy_version: the version of the policy's weights now (default: the servers').
             group_retries: times a group whose every episode failed (env/rollout
                 errors) is sampled again before it is left for a later run.
             max_failed_groups: such failed groups in a row that stop the run
@@ -166,6 +177,10 @@ class RolloutPool(AsyncResource):
             max_buffered_groups: sampled groups waiting for the consumer before
                 sampling pauses (default: as many as run at once); bounds staleness.
             counters: where non-finite logprobs are counted (default: the policy's).
+            servers: the policy servers that :meth:`update_weights` updates (default: the
+                policy's own, :class:`~agent_backend.rollout.servers.PolicyServers`).
+            admission: staleness at admission in :meth:`stream` (see ``max_staleness``);
+                False: only dropped at delivery.
         """
         if n < 1 or concurrency < 1:
             raise ValueError("n and concurrency must be at least 1")
@@ -194,7 +209,12 @@ class RolloutPool(AsyncResource):
             if isinstance(default_counters, NonFiniteCounters)
             else NonFiniteCounters()
         )
-        self._version = policy_version
+        self.admission = admission
+        self.servers = servers if servers is not None else servers_of(policy)
+        if self.servers is not None and policy_version > self.servers.version:
+            self.servers.set_version(policy_version)  # weights synced by the caller
+        self._version = max(policy_version, self.servers.version if self.servers is not None else 0)
+        self._admission: Admission | None = None
         # fast_acquire: a free slot is taken without a trip through the event loop (beside a
         # busy server one trip can take tens of ms); a freed slot still goes to the first waiter.
         self._limiter = anyio.Semaphore(concurrency, fast_acquire=True)
@@ -208,19 +228,73 @@ class RolloutPool(AsyncResource):
 
     @property
     def policy_version(self) -> int:
-        """The version of the policy's weights now (recorded on every rollout)."""
+        """The version of the policy's weights now (recorded on every turn)."""
+        if self.servers is not None:
+            return self.servers.version
         return self._version
 
     def set_policy_version(self, version: int) -> None:
-        """Record a weight update: rollouts started from now on carry ``version``."""
-        if version < self._version:
-            raise ValueError(f"policy versions only go up ({self._version} -> {version})")
+        """Record a weight update made by someone else (the trainer's own sync): turns sent
+        from now on carry ``version``."""
+        if version < self.policy_version:
+            raise ValueError(f"policy versions only go up ({self.policy_version} -> {version})")
+        if self.servers is not None:
+            self.servers.set_version(version)
+        self._moved(version)
+
+    def _moved(self, version: int) -> None:
+        moved = version != self._version
         self._version = version
+        if moved and self._admission is not None:
+            self._admission.updated()
+
+    async def update_weights(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        in_flight: InFlight = "drain",
+    ) -> UpdateReport:
+        """Load ``checkpoint`` (a Hugging Face model directory) into every policy server and
+        move to ``version`` (default: the current one + 1).
+
+        ``in_flight`` says what happens to the turns being sampled: ``drain`` (they finish
+        on the old weights; new turns wait), ``abort`` (they are aborted and sampled again
+        on the new weights), ``continue`` (they go on, on the new weights; such a turn
+        records both versions in ``turn_versions``). See
+        :meth:`PolicyServers.update_weights <agent_backend.rollout.servers.PolicyServers.update_weights>`.
+        Raises :class:`RolloutError` without policy servers (a policy of another kind, or
+        Ray workers: each worker has its own clients).
+        """
+        if self.servers is None:
+            raise RolloutError(
+                "update_weights needs the policy servers: a policy over PolicyServers "
+                "(OpenAICompatiblePolicy, VLLMTokenSampler) or RolloutPool(servers=...); "
+                "with weights synced another way, call set_policy_version()"
+            )
+        report = await self.servers.update_weights(
+            os.fspath(checkpoint), version=version, in_flight=in_flight
+        )
+        self._moved(report.version)
+        return report
+
+    def update_weights_from_thread(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        in_flight: InFlight = "drain",
+    ) -> UpdateReport:
+        """:meth:`update_weights` from a worker thread of the pool's event loop (a trainer
+        step run with ``anyio.to_thread.run_sync``, or a thread of a blocking portal)."""
+        return anyio.from_thread.run(
+            functools.partial(self.update_weights, checkpoint, version=version, in_flight=in_flight)
+        )
 
     def statistics(self) -> RolloutStatistics:
         elapsed = 0.0 if self._started is None else time.perf_counter() - self._started
         return self._tally.statistics(
-            elapsed=elapsed, non_finite=self.counters.snapshot(), policy_version=self._version
+            elapsed=elapsed, non_finite=self.counters.snapshot(), policy_version=self.policy_version
         )
 
     def __repr__(self) -> str:
@@ -230,7 +304,7 @@ class RolloutPool(AsyncResource):
             f"<RolloutPool n={self.n} [episodes: {t.episodes_running} running,"
             f" {t.episodes_done} done, {t.episodes_failed} failed | groups:"
             f" {t.groups_delivered} delivered, {t.groups_dropped} dropped]"
-            f" version={self._version}{state}>"
+            f" version={self.policy_version}{state}>"
         )
 
     async def aclose(self) -> None:
@@ -257,12 +331,13 @@ class RolloutPool(AsyncResource):
         """Why ``group`` is too old to deliver now, or None when it is fresh enough."""
         if self.max_staleness is None:
             return None
-        lag = self._version - group.oldest_version
+        version = self.policy_version
+        lag = version - group.oldest_version
         if lag <= self.max_staleness:
             return None
         return (
             f"stale: sampled at policy version {group.oldest_version}, delivered at "
-            f"{self._version} (max_staleness {self.max_staleness})"
+            f"{version} (max_staleness {self.max_staleness})"
         )
 
     async def _episode(
@@ -281,7 +356,7 @@ class RolloutPool(AsyncResource):
                 episode = await self.runner.run(
                     prompt,
                     ids,
-                    policy_version=lambda: self._version,
+                    policy_version=lambda: self.policy_version,
                     by_reference=run.by_reference,
                 )
             finally:
@@ -306,6 +381,7 @@ class RolloutPool(AsyncResource):
         run: Run,
         prompt: Any,
         index: int,
+        seq: int,
         send: MemoryObjectSendStream[Group],
         slots: anyio.Semaphore,
     ) -> None:
@@ -316,6 +392,7 @@ class RolloutPool(AsyncResource):
                     if not group.all_failed():
                         break
                     group = await self._sample_group(run, prompt, index, attempt)
+                group.seq = seq
                 await send.send(group)
         finally:
             slots.release()
@@ -332,17 +409,24 @@ class RolloutPool(AsyncResource):
                     slots.acquire_nowait()
                 except anyio.WouldBlock:
                     await slots.acquire()
+                admission = run.admission
+                if admission is not None and not admission.room(self.policy_version):
+                    self._tally.admission_waits += 1
+                    while not admission.room(self.policy_version):
+                        await admission.wait()
                 claimed = run.ledger.claim(1)
                 if not claimed:
                     slots.release()
                     break
                 index = claimed[0]
+                seq = admission.admit() if admission is not None else 0
                 group.start_soon(
                     run.guard,
                     self._run_group,
                     run,
                     run.prompts[index],
                     index,
+                    seq,
                     send.clone(),
                     slots,
                     name=f"rollout group {index}",
@@ -414,6 +498,7 @@ class RolloutPool(AsyncResource):
             if reason is not None:
                 ledger.mark_dropped(group.index, reason)
                 self._tally.groups_dropped += 1
+                self._tally.groups_stale += reason.startswith("stale")
             else:
                 records = group.deliverable()
                 await anyio.to_thread.run_sync(writer.write_group, records)
@@ -427,6 +512,7 @@ class RolloutPool(AsyncResource):
                 on_group(records)
 
     def _drop_reason(self, group: Group) -> str | None:
+        """Why ``group`` is dropped at delivery (``stale: ...`` or non-finite), or None."""
         stale = self._stale(group)
         if stale is not None:
             return stale
@@ -542,6 +628,9 @@ class RolloutPool(AsyncResource):
             ledger = ResumeLedger(Path("<memory>"), num_prompts=len(prompts))
         self._begin(prompts, ledger)
         run = Run(prompts, ledger, by_reference=as_refs)
+        if self.admission and self.max_staleness is not None:
+            run.admission = Admission(self.max_staleness, groups_per_batch, self.policy_version)
+        self._admission = run.admission
         # The trainer's own error, raised as itself after the task group (which would wrap it).
         trainer_error: BaseException | None = None
         try:
@@ -551,7 +640,9 @@ class RolloutPool(AsyncResource):
             async with receive, anyio.create_task_group() as tasks:
                 run.scope = tasks.cancel_scope
                 tasks.start_soon(run.guard, self._produce, run, send, name="rollout producer")
-                stream: RolloutStream[Any] = RolloutStream(self, receive, ledger, groups_per_batch)
+                stream: RolloutStream[Any] = RolloutStream(
+                    self, receive, ledger, groups_per_batch, run.admission
+                )
                 try:
                     yield stream
                 except BaseException as exc:
@@ -561,6 +652,7 @@ class RolloutPool(AsyncResource):
                 tasks.cancel_scope.cancel()  # the trainer is done (or failed): stop sampling
         finally:
             self._active = False
+            self._admission = None
             self._release(ledger, [])
         run.raise_first()  # a failed sampling task comes first: it is why the trainer was cancelled
         if trainer_error is not None:
@@ -583,9 +675,15 @@ class RolloutStream(Generic[_Item]):
         receive: MemoryObjectReceiveStream[Group],
         ledger: ResumeLedger,
         groups_per_batch: int,
+        admission: Admission | None = None,
     ) -> None:
         self._pool = pool
         self._receive = receive
+        self._admission = admission
+        # Under admission, groups are delivered in the order they were admitted: those that
+        # finished ahead of their turn wait here.
+        self._early: dict[int, Group] = {}
+        self._next_seq = 0
         self.ledger = ledger
         self._groups_per_batch = groups_per_batch
         self._taken: list[int] = []
@@ -605,27 +703,55 @@ class RolloutStream(Generic[_Item]):
             self._pool._tally.groups_delivered += len(self._taken)
             self._taken = []
 
-    async def __anext__(self) -> list[_Item]:
-        self._commit()
-        pool = self._pool
-        groups: list[Group] = []
-        while len(groups) < self._groups_per_batch:
+    async def _next_group(self) -> Group | None:
+        """The next group to consider: as it finished, or under admission in admission order."""
+        if self._admission is None:
+            try:
+                return await self._receive.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return None
+        while self._next_seq not in self._early:
             try:
                 group = await self._receive.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError):
+                if not self._early:
+                    return None
+                self._next_seq = min(self._early)  # a gap: a group cancelled with its run
+                break
+            self._early[group.seq] = group
+        self._next_seq += 1
+        return self._early.pop(self._next_seq - 1)
+
+    async def __anext__(self) -> list[_Item]:
+        self._commit()
+        pool = self._pool
+        admission = self._admission
+        if admission is not None:
+            admission.batch_asked()
+        groups: list[Group] = []
+        while len(groups) < self._groups_per_batch:
+            group = await self._next_group()
+            if group is None:
                 break
             if group.all_failed():
+                if admission is not None:
+                    admission.waste()
                 self._failed_in_a_row = pool._defer(group, self._deferred, self._failed_in_a_row)
                 continue
             self._failed_in_a_row = 0
             reason = pool._drop_reason(group)
             if reason is not None:
+                if admission is not None:
+                    admission.waste()
                 self.ledger.mark_dropped(group.index, reason)
                 pool._tally.groups_dropped += 1
+                pool._tally.groups_stale += reason.startswith("stale")
                 continue
             groups.append(group)
         if not groups:
             raise StopAsyncIteration
+        if admission is not None:
+            admission.batch_taken()
         self._taken = [g.index for g in groups]
         self.batches += 1
         self.last_batch_records = sum(

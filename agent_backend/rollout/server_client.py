@@ -31,7 +31,7 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypedDict, TypeVar
 
 import aiohttp
@@ -42,6 +42,7 @@ from agent_backend.errors import PolicyError, clip
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.retry import retry_delay
 from agent_backend.rollout import defaults
+from agent_backend.rollout.servers import PolicyServers, Sticky
 
 __all__ = ["PolicyServerClient", "PolicyStatistics", "ServerOptions", "token_ids", "v1_url"]
 
@@ -52,6 +53,8 @@ _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _BODY_SHOWN = 300
 # Below uvicorn's default keep-alive (5 s): an idle connection is dropped here first.
 _KEEPALIVE = 4.0
+# Resends of one request aborted by weight updates (each update aborts it at most once).
+_MAX_RESENDS = 100
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +83,14 @@ def v1_url(url: str, endpoint: str) -> str:
     if not base.endswith("/v1"):
         base += "/v1"
     return f"{base}/{endpoint}"
+
+
+def _aborted(data: Any) -> bool:
+    """True when an answer's first choice says the server aborted it."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return False
+    return choices[0].get("finish_reason") == "abort"
 
 
 def token_ids(value: object) -> list[int] | None:
@@ -121,7 +132,7 @@ class PolicyServerClient(AsyncResource):
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str] | PolicyServers,
         *,
         model: str | None = None,
         api_key: str | None = None,
@@ -138,7 +149,10 @@ class PolicyServerClient(AsyncResource):
     ) -> None:
         """
         Args:
-            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
+            url: the server (``http://host:8000``, ``.../v1`` or the full endpoint), several
+                replicas of it, or a :class:`~agent_backend.rollout.servers.PolicyServers`
+                (shared with other clients and with the pool's weight updates; not closed
+                here). Requests are spread over the replicas, an episode kept on one.
             model: the served model name; None: the first of ``GET /v1/models``.
             api_key: sent as ``Authorization: Bearer``.
             temperature, top_p: sampling parameters (RL samples at temperature 1).
@@ -161,7 +175,10 @@ class PolicyServerClient(AsyncResource):
             raise ValueError("max_retries must be >= 0")
         if top_logprobs < 0:
             raise ValueError("top_logprobs must be >= 0")
-        self.url = v1_url(url, self._endpoint)
+        self._owns_servers = not isinstance(url, PolicyServers)
+        self.servers = url if isinstance(url, PolicyServers) else PolicyServers(url, weights=None)
+        self.url = v1_url(self.servers.servers[0].url, self._endpoint)
+        """The endpoint on the first server (the one named in messages about the client)."""
         self.top_logprobs = top_logprobs
         self.model = model
         self.timeout = timeout
@@ -221,9 +238,11 @@ class PolicyServerClient(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        if self._owns_client and self._client is not None:
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if self._owns_client and self._client is not None:
                 await self._client.close()
+            if self._owns_servers:
+                await self.servers.aclose()
 
     def _session(self) -> aiohttp.ClientSession:
         """The HTTP session: the caller's, or ours, created on first use (on this loop)."""
@@ -242,7 +261,7 @@ class PolicyServerClient(AsyncResource):
         async with self._model_lock:
             if self.model is not None:
                 return
-            models_url = self.url.rsplit("/v1/", 1)[0] + "/v1/models"
+            models_url = f"{self.servers.servers[0].url}/v1/models"
             try:
                 with anyio.fail_after(self.timeout):
                     async with self._session().get(models_url, headers=self._headers) as response:
@@ -268,15 +287,22 @@ class PolicyServerClient(AsyncResource):
             rng=self._random,
         )
 
-    async def _request(self, body: Callable[[], dict[str, Any]], answer: Callable[[Any], _T]) -> _T:
+    async def _request(
+        self,
+        body: Callable[[], dict[str, Any]],
+        answer: Callable[[Any, tuple[int, int]], _T],
+        sticky: Sticky | None = None,
+    ) -> _T:
         """One call: ``body()`` (built once the model is known) posted with retries, the JSON
-        answer read by ``answer``; counted and timed. Failures raise :class:`PolicyError`."""
+        answer read by ``answer`` with the ``(sent, answered)`` policy versions; counted and
+        timed. ``sticky`` keeps an episode on one server. Failures raise :class:`PolicyError`."""
         self._check_open()
         started = time.perf_counter()
         try:
             if self.model is None:
                 await self._discover_model()
-            result = answer(await self._post(orjson.dumps(body())))
+            data, versions = await self._post(orjson.dumps(body()), sticky)
+            result = answer(data, versions)
         except PolicyError:
             self._failures += 1
             raise
@@ -285,52 +311,81 @@ class PolicyServerClient(AsyncResource):
         self._turns += 1
         return result
 
-    async def _post(self, payload: bytes) -> Any:
+    async def _post(self, payload: bytes, sticky: Sticky | None) -> tuple[Any, tuple[int, int]]:
         last: PolicyError | None = None
         retry_after: str | None = None
         resend_now = False
-        for attempt in range(self.max_retries + 1):
+        attempt = 0
+        resends = 0
+        while attempt <= self.max_retries:
             if attempt:
                 self._retries += 1
                 if not resend_now:
                     refused = last.status if last is not None else None
                     await anyio.sleep(self._delay(attempt, refused, retry_after))
-            self._requests += 1
+            attempt += 1
             retry_after = None
             try:
-                with anyio.fail_after(self.timeout):
-                    async with self._session().post(
-                        self.url, data=payload, headers=self._headers
-                    ) as response:
-                        status, body = response.status, await response.read()
-                        retry_after = response.headers.get("Retry-After")
+                async with self.servers.lease(sticky) as lease:
+                    url = lease.endpoint(self._endpoint)
+                    self._requests += 1
+                    status, body, retry_after = await self._send(url, payload)
+            except PolicyError as exc:  # no server is up
+                last, resend_now = exc, False
+                continue
             except (aiohttp.ClientError, TimeoutError) as exc:
-                # The connection failed (closed before the answer, reset while writing): most
-                # often a kept-alive one the server had just timed out (its clock runs ahead
-                # of ours under load). A sampling request may be sent again (it changes
-                # nothing on the server), so the first such failure is resent at once, on a
-                # new connection; the next ones back off.
+                connect_failed = isinstance(exc, aiohttp.ClientConnectorError)
                 broken = isinstance(exc, aiohttp.ClientConnectionError) and not isinstance(
                     exc, TimeoutError
                 )
-                resend_now = broken and not resend_now
                 what = (
                     "timed out"
                     if isinstance(exc, TimeoutError)
                     else (f"failed: {type(exc).__name__}: {clip(str(exc), 200)}")
                 )
-                last = PolicyError(
-                    f"the policy server at {self.url} {what}", url=self.url, retryable=True
-                )
+                last = PolicyError(f"the policy server at {url} {what}", url=url, retryable=True)
+                if connect_failed:
+                    # Nothing listens there (killed, restarting): out of rotation, and the
+                    # request goes to another server at once.
+                    self.servers.failed(lease.server, last.message)
+                    resend_now = self.servers.up_count() > 0
+                else:
+                    # The connection failed (closed before the answer, reset while writing):
+                    # most often a kept-alive one the server had just timed out (its clock runs
+                    # ahead of ours under load). A sampling request may be sent again (it
+                    # changes nothing on the server), so the first such failure is resent at
+                    # once, on a new connection; the next ones back off.
+                    resend_now = broken and not resend_now
+                continue
+            if self.servers.interrupted(lease):
+                # An abort-mode weight update began while this request was out: its answer is
+                # aborted or sampled on the old weights. Sent again on the new ones, not counted.
+                resends += 1
+                if resends > _MAX_RESENDS:
+                    raise PolicyError(
+                        f"the request to {url} was aborted by {resends} weight updates in a row",
+                        url=url,
+                        retryable=True,
+                    )
+                attempt -= 1
+                resend_now = True
                 continue
             resend_now = False
             if status == 200:
-                return self._json(status, body)
+                data = self._json(url, status, body)
+                if not _aborted(data):
+                    return data, lease.versions
+                # Aborted on the server's side (someone paused it with mode=abort): nothing
+                # was wrong with the request, and it changes nothing there: sent again.
+                last = PolicyError(
+                    f"the policy server at {url} aborted the request", url=url, retryable=True
+                )
+                continue
             detail = clip(body.decode("utf-8", "replace"), _BODY_SHOWN)
             last = PolicyError(
-                f"the policy server at {self.url} answered HTTP {status}: {detail}",
+                f"the policy server at {url} answered HTTP {status}: {detail}",
                 status=status,
-                url=self.url,
+                url=url,
                 retryable=status in _RETRY_STATUSES,
             )
             if not last.retryable:
@@ -345,17 +400,22 @@ class PolicyServerClient(AsyncResource):
             )
         raise last
 
-    def _json(self, status: int, body: bytes) -> Any:
+    async def _send(self, url: str, payload: bytes) -> tuple[int, bytes, str | None]:
+        with anyio.fail_after(self.timeout):
+            async with self._session().post(url, data=payload, headers=self._headers) as response:
+                return response.status, await response.read(), response.headers.get("Retry-After")
+
+    def _json(self, url: str, status: int, body: bytes) -> Any:
         try:
             # The standard parser, not orjson: it reads NaN/Infinity literals, which a
             # server may send as logprobs; they must be seen and handled, not refused.
             return json.loads(body)
         except ValueError as exc:
             raise PolicyError(
-                f"the policy server at {self.url} answered with invalid JSON ({exc}): "
+                f"the policy server at {url} answered with invalid JSON ({exc}): "
                 f"{clip(body.decode('utf-8', 'replace'), _BODY_SHOWN)}",
                 status=status,
-                url=self.url,
+                url=url,
             ) from None
 
     def _first_choice(self, data: Any) -> dict[str, Any]:

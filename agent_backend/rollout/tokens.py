@@ -53,6 +53,7 @@ from agent_backend.rollout.policy import (
     ToolSpecs,
 )
 from agent_backend.rollout.server_client import PolicyServerClient, token_ids
+from agent_backend.rollout.servers import Sticky
 
 __all__ = [
     "SampledTokens",
@@ -73,6 +74,8 @@ class SampledTokens:
     """The sampler's logprob of each id (None or NaN where it had none: policy-handled)."""
     finish_reason: str
     """``stop`` (end of turn or a stop sequence), ``length`` ..."""
+    versions: tuple[int, int] | None = None
+    """The policy versions when it was sent and answered (None: the sampler does not know)."""
 
 
 @runtime_checkable
@@ -134,6 +137,7 @@ class EpisodeTokens:
         self._seen = 0
         self._last: dict[str, Any] | None = None
         self._last_ids: list[int] = []
+        self._sticky = Sticky()
 
     def __repr__(self) -> str:
         return f"<EpisodeTokens context={len(self._context)} tokens>"
@@ -164,7 +168,11 @@ class EpisodeTokens:
             # ready, 16 went out ~1 ms apart beside a busy vLLM server, were prefilled over
             # several steps and stayed apart for the rest of the episode.
             await anyio.lowlevel.checkpoint()
-        sampled = await policy.sampler.sample(prompt, max_tokens=max_tokens)
+        sampler = policy.sampler
+        if isinstance(sampler, VLLMTokenSampler):  # ours: the episode stays on one server
+            sampled = await sampler.sample(prompt, max_tokens=max_tokens, sticky=self._sticky)
+        else:
+            sampled = await sampler.sample(prompt, max_tokens=max_tokens)
         ids = [int(t) for t in sampled.token_ids]
         if len(sampled.logprobs) != len(ids):
             raise PolicyError(
@@ -180,7 +188,7 @@ class EpisodeTokens:
         self._last = message
         self._last_ids = ids
         return AssistantTurn.sampled(
-            message, prose, calls, prompt, ids, check, sampled.finish_reason
+            message, prose, calls, prompt, ids, check, sampled.finish_reason, sampled.versions
         )
 
 
@@ -232,14 +240,21 @@ class VLLMTokenSampler(PolicyServerClient):
         return body
 
     async def sample(
-        self, prompt_ids: Sequence[int], *, max_tokens: int | None = None
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        sticky: Sticky | None = None,
     ) -> SampledTokens:
-        """Sample one completion; :class:`PolicyError` when the server fails or answers unusably."""
+        """Sample one completion; :class:`PolicyError` when the server fails or answers unusably.
+        ``sticky`` keeps the turns of one episode on one server."""
         return await self._request(
-            functools.partial(self.request_body, prompt_ids, max_tokens=max_tokens), self._sampled
+            functools.partial(self.request_body, prompt_ids, max_tokens=max_tokens),
+            self._sampled,
+            sticky,
         )
 
-    def _sampled(self, data: Any) -> SampledTokens:
+    def _sampled(self, data: Any, versions: tuple[int, int]) -> SampledTokens:
         choice = self._first_choice(data)
         ids = token_ids(choice.get("token_ids"))
         if ids is None:
@@ -252,6 +267,7 @@ class VLLMTokenSampler(PolicyServerClient):
             token_ids=ids,
             logprobs=[_logprob(v) for v in values],
             finish_reason=str(finish) if finish else "stop",
+            versions=versions,
         )
 
 

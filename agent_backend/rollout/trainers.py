@@ -44,6 +44,7 @@ __all__ = [
     "placeholder",
     "to_trl",
     "to_verl_fields",
+    "token_versions",
     "trl_reward",
 ]
 
@@ -66,6 +67,7 @@ TRL_EXTRA_KEYS: Final[tuple[str, ...]] = (
     "tool_failures",
     "policy_version_start",
     "policy_version_end",
+    "turn_versions",
     "error",
     "extras",
 )
@@ -78,6 +80,9 @@ VERL_FIELDS: Final[dict[str, str]] = {
     "logprobs": "rollout_log_probs (the sampler's; verl recomputes old_log_probs itself)",
     "reward": "token_level_scores (the reward on the last response token, 0 elsewhere)",
     "group_id": "uid (non_tensor_batch: GRPO groups samples by it)",
+    "policy_version_start": "policy_version_start (non_tensor_batch, int64)",
+    "policy_version_end": "policy_version_end (non_tensor_batch, int64)",
+    "turn_versions": "turn_versions (non_tensor_batch, one list of (sent, answered) per row)",
 }
 
 
@@ -308,8 +313,33 @@ def to_verl_fields(
         "prompt_index": np.array([t.prompt_index for t in records], dtype=np.int64),
         "segment_idx": np.array([t.segment_idx for t in records], dtype=np.int64),
         "stop_reason": np.array([t.stop_reason for t in records], dtype=object),
+        "policy_version_start": np.array([t.policy_version_start for t in records], np.int64),
+        "policy_version_end": np.array([t.policy_version_end for t in records], np.int64),
+        "turn_versions": _object_array([list(t.turn_versions) for t in records]),
     }
     return {"batch": batch, "non_tensor_batch": non_tensor_batch}
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    """A 1-d object array of ``values`` (numpy would make a 2-d array of equal-length lists)."""
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        out[i] = value
+    return out
+
+
+def token_versions(trajectory: Trajectory, *, fill: int = -1) -> list[int]:
+    """The policy version of each completion token: its turn's version where the policy
+    sampled it (the version it was sent at, for a turn a ``continue`` update crossed), ``fill``
+    on tool output and template tokens. For per-token importance weights or staleness
+    filters. Records without ``turn_versions`` give ``policy_version_start`` for every turn."""
+    out = [fill] * len(trajectory.completion_ids)
+    versions = trajectory.turn_versions or [
+        (trajectory.policy_version_start, trajectory.policy_version_start)
+    ] * len(trajectory.turn_spans)
+    for (start, stop), (sent, _answered) in zip(trajectory.turn_spans, versions, strict=True):
+        out[start:stop] = [sent] * (stop - start)
+    return out
 
 
 async def batches(

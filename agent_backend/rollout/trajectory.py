@@ -161,6 +161,11 @@ class Trajectory(pydantic.BaseModel):
     turn_spans: list[tuple[_Count, _Count]] = []
     """``(start, stop)`` in ``completion_ids`` of each policy turn's sampled tokens, in order:
     a turn's boundaries even where a token inside it was masked (a non-finite logprob)."""
+    turn_versions: list[tuple[int, int]] = []
+    """Per turn of ``turn_spans``: the policy versions when it was sent and when it was
+    answered. Equal for every turn unless a ``continue`` weight update crossed it (its first
+    tokens then came from the first version, its last from the second); empty in records
+    written before versions were kept per turn."""
 
     reward: _FiniteFloat
     """The episode's scalar reward."""
@@ -233,6 +238,21 @@ class Trajectory(pydantic.BaseModel):
                     f"completion tokens; got {self.turn_spans[:_SHOWN]}"
                 )
             stop = end
+        if self.turn_versions:
+            if len(self.turn_versions) != len(self.turn_spans):
+                raise ValueError(
+                    f"turn_versions has {len(self.turn_versions)} entries for "
+                    f"{len(self.turn_spans)} turn_spans; they must align one to one"
+                )
+            if any(
+                not self.policy_version_start <= sent <= answered <= self.policy_version_end
+                for sent, answered in self.turn_versions
+            ):
+                raise ValueError(
+                    f"turn_versions must be (sent, answered) pairs with sent <= answered, within "
+                    f"policy_version_start..policy_version_end ({self.policy_version_start}.."
+                    f"{self.policy_version_end}); got {self.turn_versions[:_SHOWN]}"
+                )
         if self.policy_version_end < self.policy_version_start:
             raise ValueError(
                 f"policy_version_end ({self.policy_version_end}) is before "
@@ -298,6 +318,7 @@ class Segment:
     completion_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_versions: list[tuple[int, int]] = field(default_factory=list)
     turns: int = 0
     """Policy turns sampled in this segment."""
 
@@ -310,6 +331,7 @@ class Segment:
             "completion_mask": list(self.completion_mask),
             "logprobs": list(self.logprobs),
             "turn_spans": list(self.turn_spans),
+            "turn_versions": list(self.turn_versions),
         }
 
     def _extends(self, prompt_ids: Sequence[int]) -> bool:
@@ -370,6 +392,7 @@ class SegmentBuilder:
         logprobs: Sequence[float],
         *,
         mask: Sequence[int] | None = None,
+        versions: tuple[int, int] | None = None,
     ) -> Segment:
         """Add one policy turn; returns the segment it went into.
 
@@ -377,7 +400,9 @@ class SegmentBuilder:
         the ones a non-finite logprob policy masked; masked tokens must carry
         a 0.0 logprob. Raises :class:`~agent_backend.errors.NonFiniteLogprobs`
         if a logprob is NaN/inf (apply :func:`~agent_backend.rollout.logprobs.check_logprobs`
-        first) and ``ValueError`` on mismatched lengths.
+        first) and ``ValueError`` on mismatched lengths. ``versions``: the policy versions
+        when the turn was sent and answered (kept in ``turn_versions``; a builder whose turns
+        all came without them keeps none).
         """
         if len(logprobs) != len(completion_ids):
             raise ValueError(
@@ -415,6 +440,12 @@ class SegmentBuilder:
         start = len(seg.completion_ids)
         seg.completion_ids.extend(int(t) for t in completion_ids)
         seg.turn_spans.append((start, len(seg.completion_ids)))
+        if versions is not None:
+            if len(seg.turn_versions) != len(seg.turn_spans) - 1:
+                raise ValueError("give versions for every turn of a segment, or for none")
+            seg.turn_versions.append((int(versions[0]), int(versions[1])))
+        elif seg.turn_versions:
+            raise ValueError("give versions for every turn of a segment, or for none")
         seg.completion_mask.extend(turn_mask)
         seg.logprobs.extend(turn_logprobs)
         seg.turns += 1
@@ -447,6 +478,7 @@ class SegmentBuilder:
             "completion_mask",
             "logprobs",
             "turn_spans",
+            "turn_versions",
         }
         clash = reserved & episode.keys()
         if clash:

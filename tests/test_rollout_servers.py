@@ -1,0 +1,253 @@
+"""Policy servers: load balancing, failover, probing back, and weight updates with each
+in-flight policy, against scripted vLLM stand-ins (tests/support/rl_server.py).
+
+The same against the real vLLM CPU server is tests/test_vllm_weights.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from support.rl_server import RLServer, rl_server
+
+from agent_backend.errors import PolicyError
+from agent_backend.rollout import VLLMTokenSampler
+from agent_backend.rollout.servers import PolicyServers, Sticky, base_url
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
+
+
+@pytest.fixture
+async def two() -> AsyncIterator[tuple[RLServer, RLServer]]:
+    async with rl_server() as a, rl_server() as b:
+        yield a, b
+
+
+def checkpoint(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / f"ckpt-{n}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def test_base_url_strips_endpoints_and_v1() -> None:
+    assert base_url("http://h:1/v1/completions") == "http://h:1"
+    assert base_url("http://h:1/v1/chat/completions/") == "http://h:1"
+    assert base_url("http://h:1/v1") == "http://h:1"
+    assert base_url("http://h:1") == "http://h:1"
+
+
+def test_a_server_listed_twice_is_refused() -> None:
+    with pytest.raises(ValueError, match="twice"):
+        PolicyServers(["http://h:1", "http://h:1/v1"])
+
+
+async def test_requests_go_to_the_least_loaded_server_and_an_episode_stays_on_one(
+    two: tuple[RLServer, RLServer],
+) -> None:
+    a, b = two
+    a.hold = b.hold = True
+    async with (
+        PolicyServers([a.url, b.url]) as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler,
+    ):
+        stickies = [Sticky() for _ in range(4)]
+        async with anyio.create_task_group() as group:
+            for sticky in stickies:
+                group.start_soon(lambda s=sticky: sampler.sample([1, 2], sticky=s))
+            await a.wait_in_flight(2)
+            await b.wait_in_flight(2)
+            a.release()
+            b.release()
+        assert (len(a.requests), len(b.requests)) == (2, 2)
+        a.hold = b.hold = False
+        # The next turns of each episode go where its first went.
+        for sticky in stickies:
+            where = sticky.server
+            await sampler.sample([1, 2, 3], sticky=sticky)
+            assert sticky.server is where
+        assert (len(a.requests), len(b.requests)) == (4, 4)
+
+
+async def test_a_dead_server_is_taken_out_and_probed_back(
+    two: tuple[RLServer, RLServer],
+) -> None:
+    a, b = two
+    async with (
+        PolicyServers([a.url, b.url], probe_interval=0.05, max_probe_interval=0.05) as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4, backoff=0.01) as sampler,
+    ):
+        sticky = Sticky(servers.servers[0])
+        port = a.port
+        await a.stop()
+        out = await sampler.sample([1], sticky=sticky)  # fails over at once
+        assert out.token_ids == [0]
+        assert sticky.server is servers.servers[1]
+        assert not servers.servers[0].up
+        assert servers.servers[0].failures == 1
+        assert len(b.requests) == 1
+        await a.start(port)  # back on the same port
+        for _ in range(200):  # bounded: a probe is due every 50 ms
+            if servers.servers[0].up:
+                break
+            await sampler.sample([1])
+            await anyio.sleep(0.01)
+        assert servers.servers[0].up
+
+
+async def test_the_last_server_up_stays_in_and_is_retried() -> None:
+    async with rl_server() as a:
+        port = a.port
+        await a.stop()
+        async with VLLMTokenSampler(
+            f"http://127.0.0.1:{port}", model="m", max_tokens=4, max_retries=2, backoff=0.01
+        ) as sampler:
+            with pytest.raises(PolicyError, match="gave up after 3 attempts"):
+                await sampler.sample([1])
+            assert sampler.servers.servers[0].up
+            assert sampler.statistics().requests == 3
+
+
+async def test_drain_lets_in_flight_turns_finish_on_the_old_weights(
+    two: tuple[RLServer, RLServer], tmp_path: Path
+) -> None:
+    a, b = two
+    a.hold = True
+    async with (
+        PolicyServers([a.url, b.url]) as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler,
+    ):
+        results: dict[str, object] = {}
+
+        async def old_turn() -> None:
+            results["old"] = await sampler.sample([1], sticky=Sticky(servers.servers[0]))
+
+        async def update() -> None:
+            results["report"] = await servers.update_weights(checkpoint(tmp_path, 1))
+
+        async def new_turn() -> None:
+            results["new"] = await sampler.sample([2])
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(old_turn)
+            await a.wait_in_flight(1)
+            group.start_soon(update)
+            while not servers.updating:  # noqa: ASYNC110 (the update task's state)
+                await anyio.sleep(0.005)
+            group.start_soon(new_turn)
+            while servers.waiting < 1:  # noqa: ASYNC110 (held back at the gate)
+                await anyio.sleep(0.005)
+            assert len(a.requests) + len(b.requests) == 1  # no request goes out meanwhile
+            assert a.calls == []
+            assert b.calls == []
+            a.release()
+        old, new = results["old"], results["new"]
+        assert old.token_ids == [0]
+        assert old.versions == (0, 0)
+        assert new.token_ids == [1]
+        assert new.versions == (1, 1)
+        for server in (a, b):
+            assert server.calls == ["pause:wait", "reload:ckpt-1", "version:1", "resume"]
+        assert servers.version == 1
+        assert results["report"].drained == 1  # type: ignore[attr-defined]
+
+
+async def test_abort_resends_the_turn_on_the_new_weights(tmp_path: Path) -> None:
+    async with rl_server() as a, PolicyServers(a.url) as servers:
+        a.hold = True
+        async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
+            results: dict[str, object] = {}
+
+            async def turn() -> None:
+                results["turn"] = await sampler.sample([1])
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(turn)
+                await a.wait_in_flight(1)
+                a.hold = False
+                await servers.update_weights(checkpoint(tmp_path, 1), in_flight="abort")
+        out = results["turn"]
+        assert out.token_ids == [1]
+        assert out.versions == (1, 1)
+        assert len(a.requests) == 2  # aborted once, sent again on the new weights
+        assert servers.statistics().resent_after_abort == 1
+        assert a.calls == ["pause:abort", "reload:ckpt-1", "version:1", "resume"]
+
+
+async def test_continue_lets_a_turn_cross_the_update_and_records_both_versions(
+    tmp_path: Path,
+) -> None:
+    async with rl_server() as a, PolicyServers(a.url) as servers:
+        a.hold = True
+        async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
+            results: dict[str, object] = {}
+
+            async def turn() -> None:
+                results["turn"] = await sampler.sample([1])
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(turn)
+                await a.wait_in_flight(1)  # held, then frozen by pause(keep) until /resume
+                await servers.update_weights(checkpoint(tmp_path, 1), in_flight="continue")
+        out = results["turn"]
+        assert out.token_ids == [1]  # sampled on after the update, on the new weights
+        assert out.versions == (0, 1)  # type: ignore[attr-defined]
+        assert len(a.requests) == 1
+        assert a.calls == ["pause:keep", "reload:ckpt-1", "version:1", "resume"]
+
+
+async def test_a_refused_checkpoint_raises_keeps_the_version_and_resumes(
+    two: tuple[RLServer, RLServer], tmp_path: Path
+) -> None:
+    a, b = two
+    async with (
+        PolicyServers([a.url, b.url]) as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler,
+    ):
+        with pytest.raises(PolicyError, match="no such checkpoint"):
+            await servers.update_weights(tmp_path / "missing")
+        assert servers.version == 0
+        assert not servers.updating
+        assert a.paused is None
+        assert b.paused is None
+        assert (await sampler.sample([1])).versions == (0, 0)
+
+
+async def test_a_server_out_at_an_update_loads_it_before_it_serves_again(
+    two: tuple[RLServer, RLServer], tmp_path: Path
+) -> None:
+    a, b = two
+    async with (
+        PolicyServers([a.url, b.url], probe_interval=0.05, max_probe_interval=0.05) as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4, backoff=0.01) as sampler,
+    ):
+        port = a.port
+        await a.stop()
+        await sampler.sample([1], sticky=Sticky(servers.servers[0]))  # a is taken out
+        report = await servers.update_weights(checkpoint(tmp_path, 1))
+        assert report.updated == (b.url,)
+        assert report.out == (a.url,)
+        a.weights = 0  # a restarted server: its original weights
+        await a.start(port)
+        for _ in range(200):
+            if servers.servers[0].up:
+                break
+            await sampler.sample([1])
+            await anyio.sleep(0.01)
+        assert servers.servers[0].up
+        assert a.calls == ["pause:wait", "reload:ckpt-1", "version:1", "resume"]
+        out = await sampler.sample([1], sticky=Sticky(servers.servers[0]))
+        assert out.token_ids == [1]
+        assert out.versions == (1, 1)
+
+
+async def test_an_update_without_a_weight_loader_says_how_to_sync() -> None:
+    async with PolicyServers("http://127.0.0.1:1", weights=None) as servers:
+        with pytest.raises(PolicyError, match="set_version"):
+            await servers.update_weights("/nowhere")
+        servers.set_version(3)
+        assert servers.version == 3
+        with pytest.raises(ValueError, match="only go up"):
+            servers.set_version(2)

@@ -6,6 +6,8 @@ The same against the real vLLM CPU server is tests/test_vllm_weights.py.
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from support.rl_server import RLServer, rl_server
 from agent_backend.errors import PolicyError
 from agent_backend.rollout import VLLMTokenSampler
 from agent_backend.rollout.servers import PolicyServers, Sticky, base_url
+from agent_backend.rollout.weight_sync import check_checkpoint, untie_for_vllm
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -26,9 +29,20 @@ async def two() -> AsyncIterator[tuple[RLServer, RLServer]]:
         yield a, b
 
 
-def checkpoint(tmp_path: Path, n: int) -> Path:
+def checkpoint(tmp_path: Path, n: int | str, *, tied: bool = False, head: bool = False) -> Path:
+    """A checkpoint folder as save_pretrained writes one: config.json and a safetensors file
+    (one float32 tensor per name), enough for check_checkpoint."""
     path = tmp_path / f"ckpt-{n}"
     path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    names = ["model.embed_tokens.weight", *(["lm_head.weight"] if head else [])]
+    header = {
+        name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i, name in enumerate(names)
+    }
+    raw = json.dumps(header).encode()
+    data = struct.pack("<Q", len(raw)) + raw + struct.pack(f"<{len(names)}f", *[0.0] * len(names))
+    (path / "model.safetensors").write_bytes(data)
     return path
 
 
@@ -206,8 +220,11 @@ async def test_a_refused_checkpoint_raises_keeps_the_version_and_resumes(
         PolicyServers([a.url, b.url]) as servers,
         VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler,
     ):
+        with pytest.raises(PolicyError, match="not a folder here"):
+            await servers.update_weights(tmp_path / "missing")  # refused before any pause
+        assert a.calls == []
         with pytest.raises(PolicyError, match="no such checkpoint"):
-            await servers.update_weights(tmp_path / "missing")
+            await servers.update_weights(checkpoint(tmp_path, "bad"))  # refused by the servers
         assert servers.version == 0
         assert not servers.updating
         assert a.paused is None
@@ -251,3 +268,23 @@ async def test_an_update_without_a_weight_loader_says_how_to_sync() -> None:
         assert servers.version == 3
         with pytest.raises(ValueError, match="only go up"):
             servers.set_version(2)
+
+
+def test_a_tied_checkpoint_without_an_output_layer_is_refused_until_untied(
+    tmp_path: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    check_checkpoint(checkpoint(tmp_path, 1))  # untied: fine
+    check_checkpoint(checkpoint(tmp_path, 2, tied=True, head=True))  # tied, head named: fine
+    tied = checkpoint(tmp_path, 3, tied=True)
+    with pytest.raises(PolicyError, match="untie_for_vllm"):
+        check_checkpoint(tied)
+    safetensors_torch.save_file(
+        {"model.embed_tokens.weight": torch.arange(6.0).reshape(3, 2)},
+        str(tied / "model.safetensors"),
+    )
+    untie_for_vllm(tied)
+    check_checkpoint(tied)
+    loaded = safetensors_torch.load_file(str(tied / "model.safetensors"))
+    assert torch.equal(loaded["lm_head.weight"], loaded["model.embed_tokens.weight"])

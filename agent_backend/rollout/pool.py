@@ -278,6 +278,17 @@ class RolloutPool(AsyncResource):
         self._moved(report.version)
         return report
 
+    async def restore_weights(self, checkpoint: str | os.PathLike[str], *, version: int) -> None:
+        """After a resume: load the trainer's restored ``checkpoint`` into the policy servers
+        and serve it as ``version`` (the step of the ledger's checkpoint), below the servers'
+        version if the crashed run went further. Call before :meth:`stream`."""
+        if self.servers is None:
+            raise RolloutError("restore_weights needs the policy servers (see update_weights)")
+        if self._active:
+            raise RolloutError("restore_weights is for before a run, not during one")
+        report = await self.servers.restore(os.fspath(checkpoint), version=version)
+        self._version = report.version
+
     def update_weights_from_thread(
         self,
         checkpoint: str | os.PathLike[str],
@@ -576,11 +587,12 @@ class RolloutPool(AsyncResource):
             async with pool.stream(prompts, ledger=ledger, groups_per_batch=4) as batches:
                 async for batch in batches:          # list[Trajectory]: 4 groups
                     train_on(batch)
-                    pool.set_policy_version(step)
-                    ledger.checkpoint(extra={"step": step})   # with the weights
+                    await pool.update_weights(save(step))     # or set_policy_version(step)
+                    batches.checkpoint(extra={"step": step})  # with the weights
 
-        A batch's prompts are marked trained when the trainer asks for the
-        next batch, or leaves the ``async with`` without an exception; a batch
+        A batch's prompts are marked trained by ``batches.checkpoint()`` (or
+        ``batches.mark_trained()``), else when the trainer asks for the next
+        batch, or leaves the ``async with`` without an exception; a batch
         being trained when an exception ends the block stays in flight (and is
         redone after a resume). Staleness is checked when a group is put in a
         batch. The pool never checkpoints the ledger here: the trainer does,
@@ -695,6 +707,24 @@ class RolloutStream(Generic[_Item]):
 
     def __aiter__(self) -> Self:
         return self
+
+    def mark_trained(self) -> None:
+        """The trainer has trained on the last batch: mark its prompts trained now (else that
+        happens when it asks for the next batch). Call before checkpointing the ledger with
+        the weights that include it, or :meth:`checkpoint` does both."""
+        self._commit()
+
+    def checkpoint(self, extra: Mapping[str, Any] | None = None) -> None:
+        """Mark the last batch trained and checkpoint the ledger with ``extra`` (blocking:
+        a small file, fsynced). Call it where the trainer saves its weights, after training
+        on the batch, so that a resume neither repeats it nor skips it."""
+        self._commit()
+        self.ledger.checkpoint(extra)
+
+    async def acheckpoint(self, extra: Mapping[str, Any] | None = None) -> None:
+        """:meth:`checkpoint` with the file written in a worker thread."""
+        self._commit()
+        await self.ledger.acheckpoint(extra)
 
     def _commit(self) -> None:
         """The trainer took the last batch: mark its prompts trained."""

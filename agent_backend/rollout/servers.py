@@ -442,6 +442,18 @@ class PolicyServers(AsyncResource):
         :class:`PolicyError` is raised with its answer, the version is not bumped, and the
         servers that did load it are taken out until a probe reloads the current one.
         """
+        new = self._version + 1 if version is None else version
+        if new <= self._version:
+            raise ValueError(f"policy versions only go up ({self._version} -> {new})")
+        return await self._update(checkpoint, new, in_flight)
+
+    async def restore(self, checkpoint: str | Path, *, version: int) -> UpdateReport:
+        """Load a trainer's checkpoint after a resume and serve it as ``version``, which may
+        be below the current one (the servers may hold weights of steps the crashed run took
+        after its last checkpoint). Turns in flight are drained first."""
+        return await self._update(checkpoint, version, "drain")
+
+    async def _update(self, checkpoint: str | Path, new: int, in_flight: InFlight) -> UpdateReport:
         if in_flight not in IN_FLIGHT_POLICIES:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT_POLICIES}, not {in_flight!r}")
         if self.weights is None:
@@ -449,9 +461,6 @@ class PolicyServers(AsyncResource):
                 "these policy servers have no weight loader (weights=None): pass "
                 "weights='vllm' or 'sglang', or sync the weights yourself and call set_version()"
             )
-        new = self._version + 1 if version is None else version
-        if new <= self._version:
-            raise ValueError(f"policy versions only go up ({self._version} -> {new})")
         path = str(checkpoint)
         started = time.perf_counter()
         async with self._update_lock:

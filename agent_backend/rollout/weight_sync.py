@@ -33,11 +33,14 @@ This module must never leave a server paused.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import aiohttp
 import anyio
+import anyio.to_thread
 
 from agent_backend.errors import PolicyError, clip
 
@@ -47,6 +50,8 @@ __all__ = [
     "ServerUnreachable",
     "VLLMWeights",
     "WeightSync",
+    "check_checkpoint",
+    "untie_for_vllm",
     "weight_sync",
 ]
 
@@ -55,6 +60,7 @@ InFlight = Literal["drain", "abort", "continue"]
 
 IN_FLIGHT_POLICIES: tuple[InFlight, ...] = ("drain", "abort", "continue")
 _SHOWN = 300
+_MAX_HEADER = 100_000_000
 
 
 def _nothing() -> None:
@@ -128,14 +134,90 @@ async def _post(
         return None
 
 
+def _safetensors_keys(path: Path) -> set[str]:
+    """The tensor names in a safetensors file (its JSON header: 8 bytes of length, then it)."""
+    with path.open("rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        if not 0 < size <= _MAX_HEADER:
+            raise ValueError(f"{path.name} is not a safetensors file")
+        header = json.loads(file.read(size))
+    return {key for key in header if key != "__metadata__"}
+
+
+def check_checkpoint(directory: str | os.PathLike[str]) -> None:
+    """Refuse a checkpoint a vLLM server would fail on, or load wrongly, before it is sent.
+
+    vLLM dies on a reload that fails (a missing folder, a parameter its model does not
+    have: its engine exits), so the folder is checked first: it exists, holds
+    ``config.json`` and safetensors weights. And on CPU a model with tied embeddings keeps
+    its output layer from start-up unless the checkpoint names ``lm_head.weight``
+    explicitly (``save_pretrained`` leaves it out): the logprobs are then silently wrong
+    (0.4 nats on the tiny test model); :func:`untie_for_vllm` adds it.
+    Raises :class:`PolicyError` saying which.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise PolicyError(f"weight update: the checkpoint {path} is not a folder here")
+    config_path = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not config_path.is_file() or not files:
+        raise PolicyError(
+            f"weight update: {path} holds no config.json and *.safetensors "
+            "(save it with model.save_pretrained)"
+        )
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        keys = set().union(*(_safetensors_keys(f) for f in files))
+    except (OSError, ValueError) as exc:
+        raise PolicyError(f"weight update: cannot read {path}: {exc}") from None
+    tied = config.get("tie_word_embeddings", False) or (
+        isinstance(config.get("text_config"), dict)
+        and config["text_config"].get("tie_word_embeddings", False)
+    )
+    if tied and not any(k == "lm_head.weight" or k.endswith(".lm_head.weight") for k in keys):
+        raise PolicyError(
+            f"weight update: {path} ties its embeddings and has no lm_head.weight: vLLM on CPU "
+            "would keep its old output layer and sample with wrong logprobs. Call "
+            "agent_backend.rollout.weight_sync.untie_for_vllm(path) after save_pretrained"
+        )
+
+
+def untie_for_vllm(directory: str | os.PathLike[str]) -> None:
+    """Write ``lm_head.weight`` (a copy of the input embeddings) into a checkpoint saved with
+    tied embeddings, so that vLLM reloads its output layer too (:func:`check_checkpoint`).
+
+    Needs ``safetensors`` and torch (the trainer's). A checkpoint that has it already, or
+    does not tie its embeddings, is left as it is.
+    """
+    from safetensors.torch import load_file, save_file  # the trainer's stack, not ours
+
+    path = Path(directory)
+    for file in sorted(path.glob("*.safetensors")):
+        tensors = load_file(str(file))
+        embed = next((k for k in tensors if k.endswith("embed_tokens.weight")), None)
+        if "lm_head.weight" in tensors or embed is None:
+            continue
+        tensors["lm_head.weight"] = tensors[embed].clone()
+        save_file(tensors, str(file), metadata={"format": "pt"})
+        return
+
+
 class VLLMWeights:
-    """vLLM's pause / ``reload_weights`` / version label / resume (module docstring)."""
+    """vLLM's pause / ``reload_weights`` / version label / resume (module docstring).
+
+    ``check`` (default): the checkpoint is checked on this machine first
+    (:func:`check_checkpoint`); pass ``check=False`` when the servers read another
+    file system (the path is then theirs).
+    """
+
+    def __init__(self, *, check: bool = True) -> None:
+        self.check = check
 
     _PAUSE_MODES: Mapping[InFlight, str] = {"drain": "wait", "abort": "abort", "continue": "keep"}
     _HINT = "start vLLM with VLLM_SERVER_DEV_MODE=1 for its weight-update endpoints"
 
     def __repr__(self) -> str:
-        return "VLLMWeights()"
+        return f"VLLMWeights(check={self.check})"
 
     async def update(
         self,
@@ -149,6 +231,8 @@ class VLLMWeights:
         on_loaded: Callable[[], None] = _nothing,
     ) -> None:
         mode = self._PAUSE_MODES[in_flight]
+        if self.check:
+            await anyio.to_thread.run_sync(check_checkpoint, checkpoint)
         await _post(
             http, f"{base_url}/pause?mode={mode}", None, step_timeout=step_timeout, hint=self._HINT
         )

@@ -12,7 +12,7 @@ free port of 127.0.0.1, on the test's event loop), and answers the endpoints vLL
   requests at once with ``finish_reason: "abort"``; ``wait`` waits for them; ``keep``
   freezes them, held or not (they finish after ``/resume``, on the weights loaded meanwhile);
 * ``POST /collective_rpc`` ``reload_weights(weights_path=...)``: loads a checkpoint (HTTP
-  500 when the folder does not exist, as vLLM answers);
+  500 when the folder does not exist or is named ``ckpt-bad``, as vLLM answers a failed load);
 * ``POST /update_weight_version``, ``POST /reset_prefix_cache``, ``GET /health``.
 
 This module must never listen on anything but 127.0.0.1.
@@ -146,7 +146,8 @@ class RLServer:
         body = await request.json()
         path = str(body.get("kwargs", {}).get("weights_path", ""))
         self.calls.append(f"reload:{Path(path).name}")
-        if body.get("method") != "reload_weights" or not Path(path).is_dir():  # noqa: ASYNC240
+        bad = not Path(path).is_dir() or Path(path).name == "ckpt-bad"  # noqa: ASYNC240
+        if body.get("method") != "reload_weights" or bad:
             return web.json_response({"error": f"no such checkpoint: {path}"}, status=500)
         found = _CKPT.search(path)
         self.weights = int(found.group(1)) if found else 0

@@ -79,6 +79,8 @@ class VLLMServer:
     """The tiny model it serves, for loading the same weights and tokenizer in transformers."""
     log_path: Path
     """The server's combined stdout and stderr."""
+    pid: int | None = None
+    """The server's process (its group's leader), when this process launched it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -249,6 +251,9 @@ def _spawn(
         "DO_NOT_TRACK": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        # vLLM's RL endpoints (/pause, /resume, /collective_rpc reload_weights,
+        # /update_weight_version): the weight-update tests (tests/test_vllm_weights.py).
+        "VLLM_SERVER_DEV_MODE": "1",
     }
     env.pop("PYTHONPATH", None)  # nothing of .venv may leak into .venv-vllm
     launch.log = log_path.open("wb")
@@ -268,6 +273,7 @@ def _spawn(
         start_new_session=True,  # its own process group, killed whole at the end
     )
     launch.pid = launch.process.pid
+    launch.server = dataclasses.replace(launch.server, pid=launch.pid)
 
 
 def start_vllm_server(config: pytest.Config) -> _Launch:

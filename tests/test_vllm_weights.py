@@ -1,0 +1,234 @@
+"""Weight updates on the real vLLM CPU server, checked against the trainer's own forward pass.
+
+A plain torch training step on the tiny model (transformers, AdamW), saved with
+``save_pretrained`` (and :func:`untie_for_vllm`: the tiny model ties its embeddings), is pushed
+with :meth:`PolicyServers.update_weights`; then the sampler's logprobs must be the trained
+model's within 1e-3 on the tokens it sampled, and without the update they are not (> 0.1):
+the test can fail. Each in-flight policy is run with a long request on the server when the
+update comes. Two servers behind one pool, one killed mid-run: no prompt lost or repeated.
+
+The session's server (tests/support/vllm_server.py, dev mode on) is updated here and put
+back on its original weights afterwards; the other vLLM tests share it, one after another
+on one xdist worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from support.policy_server import local_dispatcher
+from support.vllm_server import (  # noqa: F401
+    STARTUP_TIMEOUT,
+    VLLMServer,
+    VLLMStartError,
+    launched_vllm,
+    vllm_server_fixture,
+)
+
+from agent_backend.rollout import (
+    ChatTemplate,
+    EpisodeConfig,
+    RolloutPool,
+    SampledTokens,
+    TokenPolicy,
+    VLLMTokenSampler,
+)
+from agent_backend.rollout.servers import PolicyServers
+from agent_backend.rollout.weight_sync import untie_for_vllm
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(2 * STARTUP_TIMEOUT + 120)]
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [{"role": "user", "content": "say something about weights and versions"}]
+
+
+def load(model_dir: Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32
+    ).eval()
+
+
+def save(model: Any, path: Path) -> Path:
+    model.save_pretrained(str(path))
+    untie_for_vllm(path)  # on CPU vLLM reloads a tied output layer only when it is named
+    return path
+
+
+@pytest.fixture(scope="module")
+def original(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The server's start-up weights as a checkpoint it can reload (output layer named)."""
+    return save(load(vllm_server.model_dir), tmp_path_factory.mktemp("w") / "original")
+
+
+@pytest.fixture(scope="module")
+def trained(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One AdamW step of next-token training on a short text: the trainer's step-1 weights."""
+    model = load(vllm_server.model_dir).train()
+    template = ChatTemplate.from_pretrained(str(vllm_server.model_dir))
+    ids = torch.tensor([template.encode("the trainer moves the weights a little " * 8)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    return save(model.eval(), tmp_path_factory.mktemp("w") / "step-1")
+
+
+@pytest.fixture
+async def servers(vllm_server: VLLMServer, original: Path) -> Any:
+    """The session's server behind PolicyServers; its original weights back afterwards."""
+    async with PolicyServers(vllm_server.url) as opened:
+        try:
+            yield opened
+        finally:
+            with anyio.CancelScope(shield=True):
+                await opened.restore(original, version=0)
+
+
+def forced(model: Any, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
+    """log p(completion[i] | prompt + completion[:i]) under ``model``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([[*prompt, *completion]])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [logprobs[start + i, t].item() for i, t in enumerate(completion)]
+
+
+def max_error(model: Any, prompt: Sequence[int], out: SampledTokens) -> float:
+    reference = forced(model, prompt, out.token_ids)
+    return max(abs(a - float(b or 0.0)) for a, b in zip(reference, out.logprobs, strict=True))
+
+
+def prompt_ids(vllm_server: VLLMServer) -> list[int]:
+    return ChatTemplate.from_pretrained(str(vllm_server.model_dir)).prompt_ids(PROMPT, [])
+
+
+async def test_after_update_weights_the_sampler_matches_the_trainer_and_without_it_drifts(
+    vllm_server: VLLMServer, servers: PolicyServers, trained: Path
+) -> None:
+    prompt = prompt_ids(vllm_server)
+    step1 = load(trained)
+    async with VLLMTokenSampler(
+        servers, model=vllm_server.model, max_tokens=32, extra_body={"seed": 3}
+    ) as sampler:
+        before = await sampler.sample(prompt)
+        drift = max_error(step1, prompt, before)
+        report = await servers.update_weights(trained)
+        after = await sampler.sample(prompt)
+    error = max_error(step1, prompt, after)
+    print(
+        f"max |logprob error| vs the trained model: {drift:.3g} before update_weights, "
+        f"{error:.3g} after; update {report.seconds * 1000:.0f} ms "
+        f"(load {report.load_seconds * 1000:.0f} ms)"
+    )
+    assert before.versions == (0, 0)
+    assert after.versions == (1, 1)
+    assert drift > 0.1  # without the update the sampler is not the trainer's policy
+    assert error < 1e-3
+
+
+async def long_sample(sampler: VLLMTokenSampler, prompt: list[int]) -> SampledTokens:
+    return await sampler.sample(prompt, max_tokens=300)
+
+
+@pytest.mark.parametrize("in_flight", ["drain", "abort", "continue"])
+async def test_each_in_flight_policy_on_the_real_server(
+    vllm_server: VLLMServer,
+    servers: PolicyServers,
+    trained: Path,
+    in_flight: Any,
+) -> None:
+    prompt = prompt_ids(vllm_server)
+    old, new = load(vllm_server.model_dir), load(trained)
+    results: dict[str, SampledTokens] = {}
+    async with VLLMTokenSampler(
+        servers, model=vllm_server.model, extra_body={"ignore_eos": True}
+    ) as sampler:
+
+        async def turn() -> None:
+            results["turn"] = await long_sample(sampler, prompt)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(turn)
+            while servers.in_flight < 1:  # noqa: ASYNC110 (the turn's lease is taken)
+                await anyio.sleep(0.005)
+            report = await servers.update_weights(trained, in_flight=in_flight)
+            after = await sampler.sample(prompt, max_tokens=16)
+    out = results["turn"]
+    assert len(out.token_ids) == 300
+    assert after.versions == (1, 1)
+    assert max_error(new, prompt, after) < 1e-3
+    if in_flight == "drain":
+        assert report.drained == 1
+        assert out.versions == (0, 0)
+        assert max_error(old, prompt, out) < 1e-3  # finished on the old weights
+    elif in_flight == "abort":
+        assert out.versions == (1, 1)
+        assert servers.statistics().resent_after_abort == 1
+        assert max_error(new, prompt, out) < 1e-3  # sampled again, on the new weights
+    else:
+        assert out.versions == (0, 1)
+        # A prefix from the old weights, the rest from the new (the frozen request's cache is
+        # recomputed on the new weights): every token is one or the other, in that order.
+        by_old = forced(old, prompt, out.token_ids)
+        by_new = forced(new, prompt, out.token_ids)
+        got = [float(v or 0.0) for v in out.logprobs]
+        split = next(
+            (i for i, (a, b) in enumerate(zip(by_old, got, strict=True)) if abs(a - b) > 1e-3),
+            len(got),
+        )
+        assert all(abs(a - b) < 1e-3 for a, b in zip(by_new[split:], got[split:], strict=True))
+
+
+@pytest.fixture(scope="module")
+def second_server(vllm_server: VLLMServer) -> Iterator[VLLMServer]:
+    """A second replica of the same model: its own process, killed by the test."""
+    try:
+        with launched_vllm(vllm_server.model_dir) as server:
+            yield server
+    except VLLMStartError as exc:
+        pytest.fail(str(exc))
+
+
+async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
+    vllm_server: VLLMServer, second_server: VLLMServer, tmp_path: Path
+) -> None:
+    template = ChatTemplate.from_pretrained(str(vllm_server.model_dir))
+    prompts = [[{"role": "user", "content": f"count to {i}"}] for i in range(16)]
+    trained_prompts: list[int] = []
+    async with (
+        local_dispatcher(tmp_path / "ws") as dispatcher,
+        PolicyServers(
+            [vllm_server.url, second_server.url], probe_interval=60.0, max_probe_interval=60.0
+        ) as servers,
+        VLLMTokenSampler(servers, model=vllm_server.model, max_tokens=24) as sampler,
+    ):
+        pool = RolloutPool(
+            TokenPolicy(sampler, template),
+            dispatcher,
+            tools=[],  # the tiny tokenizer spends ~1,200 tokens per tool schema
+            n=2,
+            concurrency=8,
+            episode=EpisodeConfig(max_turns=1, max_tokens_per_turn=24),
+        )
+        second = servers.servers[1]
+        async with pool.stream(prompts, groups_per_batch=1) as batches:
+            async for batch in batches:
+                trained_prompts.extend(sorted({r.prompt_index for r in batch}))
+                if second.up and second.requests >= 6:
+                    assert second_server.pid is not None
+                    os.killpg(second_server.pid, signal.SIGKILL)  # mid-run, requests in flight
+        stats = pool.statistics()
+    assert sorted(trained_prompts) == list(range(16))  # none lost, none twice
+    assert stats.groups_failed == 0
+    assert stats.stop_reasons.get("rollout_error", 0) == 0
+    assert not second.up  # taken out at its first refused connection
+    first = servers.servers[0]
+    assert first.requests > 0
+    print(f"requests: {servers.statistics().requests}; failures {servers.statistics().failures}")

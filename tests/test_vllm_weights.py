@@ -14,6 +14,7 @@ on one xdist worker.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 from support.policy_server import local_dispatcher
 from support.vllm_server import (  # noqa: F401
@@ -31,6 +33,8 @@ from support.vllm_server import (  # noqa: F401
     vllm_server_fixture,
 )
 
+from agent_backend import DEFAULT_POOL, ToolRegistry
+from agent_backend.integrations.trl import TRLRollout, trl_reward
 from agent_backend.rollout import (
     ChatTemplate,
     EpisodeConfig,
@@ -232,3 +236,113 @@ async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
     first = servers.servers[0]
     assert first.requests > 0
     print(f"requests: {servers.statistics().requests}; failures {servers.statistics().failures}")
+
+
+# -- TRL's GRPOTrainer sampling from the server, its weights pushed after every step ------------
+
+
+def grpo(model_dir: Path, tmp_path: Path, rollout: Any, callbacks: list[Any]) -> list[float]:
+    """Two GRPO steps of TRL on the tiny model, rollouts from the server through ``rollout``;
+    the max |logprob error| of the second step's rollouts against the trainer's weights then."""
+    import datasets
+    import trl
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    errors: list[float] = []
+
+    def recorded(prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = rollout(prompts, trainer)
+        worst = 0.0
+        with torch.no_grad():  # the trainer's weights now: what sampled these, if synced
+            for ids, completion, logprobs, mask in zip(
+                out["prompt_ids"],
+                out["completion_ids"],
+                out["logprobs"],
+                out["env_mask"],
+                strict=True,
+            ):
+                reference = forced(trainer.model.eval(), ids, completion)
+                worst = max(
+                    [worst]
+                    + [abs(a - b) for a, b, m in zip(reference, logprobs, mask, strict=True) if m]
+                )
+        trainer.model.train()
+        errors.append(worst)
+        return out
+
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=64,
+        max_steps=2,
+        learning_rate=1e-2,
+        beta=0.0,
+        use_cpu=True,
+        bf16=False,  # float32 as the server: TRL's default autocasts the trainer's forward
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    tasks = [[{"role": "user", "content": f"tell me about {i}"}] for i in range(4)]
+    trainer = trl.GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=trl_reward,
+        rollout_func=recorded,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": tasks}),
+        callbacks=callbacks,
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    return errors
+
+
+def length_reward(given: Any) -> float:
+    """A reward that differs between samples (GRPO needs a spread for the weights to move)."""
+    return (len(given.final_text) % 5) / 4
+
+
+@pytest.mark.parametrize("synced", [True, False], ids=["with-the-callback", "without"])
+async def test_trl_grpo_with_the_weight_sync_callback_samples_the_trainers_weights(
+    vllm_server: VLLMServer,
+    original: Path,
+    tmp_path: Path,
+    synced: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("trl")
+    # rollout_func is experimental in TRL 1.16 and says so with a UserWarning (an error here).
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    template = ChatTemplate.from_pretrained(str(vllm_server.model_dir))
+    servers = PolicyServers(vllm_server.url)
+    sampler = VLLMTokenSampler(servers, model=vllm_server.model, max_tokens=24)
+
+    def run() -> list[float]:
+        with TRLRollout(
+            TokenPolicy(sampler, template),
+            tools=ToolRegistry(),
+            pool=DEFAULT_POOL.model_copy(update={"workspace_root": str(tmp_path / "ws")}),
+            reward=length_reward,
+            episode=EpisodeConfig(max_turns=1, max_tokens_per_turn=24),
+            concurrency=8,
+        ) as rollout:
+            callbacks = [rollout.weight_sync_callback(tmp_path / "ckpt")] if synced else []
+            try:
+                return grpo(vllm_server.model_dir, tmp_path, rollout, callbacks)
+            finally:
+                rollout._portal.call(functools.partial(servers.restore, original, version=0))
+                rollout._portal.call(servers.aclose)
+
+    first, second = await anyio.to_thread.run_sync(run)
+    print(f"TRL, synced={synced}: max |logprob error| step 1 {first:.3g}, step 2 {second:.3g}")
+    assert first < 1e-3  # step 1 samples the start-up weights, which the trainer has too
+    if synced:
+        assert second < 1e-3  # step 2 samples the weights the trainer's step 1 made
+    else:
+        assert second > 0.1  # without the sync, the server's policy is not the trainer's

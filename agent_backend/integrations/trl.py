@@ -26,8 +26,11 @@ than ``len(prompts)`` nor a row without tokens.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import shutil
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
@@ -41,14 +44,19 @@ from agent_backend.lifecycle import SyncResource
 from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
     EpisodeConfig,
+    InFlight,
     Policy,
+    PolicyServers,
     RolloutStatistics,
     TokenPolicy,
     Trajectory,
+    UpdateReport,
     episode_rows,
     to_trl,
+    untie_for_vllm,
 )
 from agent_backend.rollout.episode import RewardFunction
+from agent_backend.rollout.servers import servers_of
 from agent_backend.rollout.trainers import trl_reward
 
 __all__ = ["TRLRollout", "trl_reward"]
@@ -158,6 +166,77 @@ class TRLRollout(SyncResource):
             return
         self._closed = True
         self._stack.close()
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _servers(self) -> PolicyServers:
+        servers = servers_of(self.policy)
+        if servers is None:
+            raise RolloutError(
+                "the policy samples from no PolicyServers (an in-process sampler, or TRL's "
+                "own vLLM): there are no servers to update"
+            )
+        return servers
+
+    def update_weights(
+        self,
+        checkpoint: str | os.PathLike[str],
+        *,
+        version: int | None = None,
+        in_flight: InFlight = "drain",
+    ) -> UpdateReport:
+        """Load ``checkpoint`` into the policy servers and move to ``version`` (blocking; from
+        the trainer's thread): :meth:`PolicyServers.update_weights <agent_backend.rollout.PolicyServers.update_weights>`
+        on the adapter's event loop."""
+        if self._closed:
+            raise RolloutError("the TRL rollout is closed")
+        servers = self._servers()
+        return self._portal.call(
+            functools.partial(
+                servers.update_weights, os.fspath(checkpoint), version=version, in_flight=in_flight
+            )
+        )
+
+    def weight_sync_callback(
+        self, directory: str | os.PathLike[str], *, keep: int = 2, in_flight: InFlight = "drain"
+    ) -> Any:
+        """A ``transformers.TrainerCallback`` that, after every optimizer step, saves the
+        model under ``directory/step-N`` (``save_pretrained``; the output layer named for
+        vLLM when embeddings are tied) and loads it into the policy servers as version
+        ``N = state.global_step``: the next step's rollouts sample the trained weights.
+        The ``keep`` newest checkpoints are kept (a server probed back may need the last).
+
+        ``GRPOTrainer(..., rollout_func=rollout, callbacks=[rollout.weight_sync_callback(dir)])``.
+        """
+        from transformers import TrainerCallback  # TRL's stack: present wherever TRL runs
+
+        if keep < 1:
+            raise ValueError("keep must be at least 1")
+        root = Path(directory)
+        self._servers()  # fail now, not after the first step
+        rollout = self
+
+        class WeightSyncCallback(TrainerCallback):
+            """Pushes the trained weights to the policy servers after each optimizer step."""
+
+            def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                model = kwargs.get("model")
+                if model is None:
+                    raise RolloutError("the trainer passed no model to on_step_end")
+                model = getattr(model, "module", model)  # unwrapped (DDP, accelerate)
+                step = int(state.global_step)
+                path = root / f"step-{step}"
+                model.save_pretrained(str(path))
+                untie_for_vllm(path)
+                rollout.update_weights(path, version=step, in_flight=in_flight)
+                saved = sorted(
+                    (p for p in root.glob("step-*") if p.name[5:].isdigit()),
+                    key=lambda p: int(p.name[5:]),
+                )
+                for old in saved[:-keep]:
+                    shutil.rmtree(old, ignore_errors=True)
+
+        return WeightSyncCallback()
 
     def __call__(self, prompts: Sequence[Any], trainer: Any) -> dict[str, list[Any]]:
         """TRL's ``rollout_func(prompts, trainer)``: one completion per entry of ``prompts``, in order.

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from agent_backend.rollout.pool import RolloutPool, RolloutStatistics
     from agent_backend.rollout.ray_workers import RayRolloutWorkers
     from agent_backend.rollout.runner import EpisodeRunner, EpisodeSummary, InProcessRunner
+    from agent_backend.rollout.servers import PolicyServers, UpdateReport
     from agent_backend.rollout.tokens import (
         SampledTokens,
         TokenPolicy,
@@ -38,6 +39,14 @@ if TYPE_CHECKING:
         to_verl_fields,
     )
     from agent_backend.rollout.trajectory import SegmentBuilder, StopReason, Trajectory
+    from agent_backend.rollout.weight_sync import (
+        InFlight,
+        SGLangWeights,
+        VLLMWeights,
+        WeightSync,
+        check_checkpoint,
+        untie_for_vllm,
+    )
     from agent_backend.rollout.writers import JsonlWriter, ParquetWriter, open_writer
 
 __all__ = [
@@ -46,17 +55,20 @@ __all__ = [
     "EpisodeConfig",
     "EpisodeRunner",
     "EpisodeSummary",
+    "InFlight",
     "InProcessRunner",
     "JsonlWriter",
     "NonFinitePolicy",
     "OpenAICompatiblePolicy",
     "ParquetWriter",
     "Policy",
+    "PolicyServers",
     "RayRolloutWorkers",
     "ResumeLedger",
     "RewardInput",
     "RolloutPool",
     "RolloutStatistics",
+    "SGLangWeights",
     "SampledTokens",
     "SegmentBuilder",
     "StopReason",
@@ -64,8 +76,12 @@ __all__ = [
     "TokenSampler",
     "ToolReward",
     "Trajectory",
+    "UpdateReport",
     "VLLMTokenSampler",
+    "VLLMWeights",
+    "WeightSync",
     "batches",
+    "check_checkpoint",
     "check_logprobs",
     "episode_rows",
     "is_placeholder",
@@ -73,6 +89,7 @@ __all__ = [
     "run_episode",
     "to_trl",
     "to_verl_fields",
+    "untie_for_vllm",
 ]
 
 _HOME = {
@@ -89,6 +106,14 @@ _HOME = {
     "RolloutPool": "pool",
     "RolloutStatistics": "pool",
     "RayRolloutWorkers": "ray_workers",
+    "PolicyServers": "servers",
+    "UpdateReport": "servers",
+    "InFlight": "weight_sync",
+    "SGLangWeights": "weight_sync",
+    "VLLMWeights": "weight_sync",
+    "WeightSync": "weight_sync",
+    "check_checkpoint": "weight_sync",
+    "untie_for_vllm": "weight_sync",
     "EpisodeRunner": "runner",
     "EpisodeSummary": "runner",
     "InProcessRunner": "runner",

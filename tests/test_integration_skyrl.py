@@ -516,6 +516,11 @@ async def test_step_wise_rows_are_segments_that_skyrl_trains_on(
             assert output["rewards"][i] == 0.0
     # Without an engine client, the policy version is the batch's global step.
     assert {m["policy_version"] for m in output["env_metrics"][:4]} == {3}
+    # Per turn too: each real row's turns were sent and answered at that version.
+    for m in output["env_metrics"][:4]:
+        assert m["policy_version_end"] == 3
+        assert m["turn_versions"]
+        assert all(v == [3, 3] for v in m["turn_versions"])
     # SkyRL's trainer, step-wise: advantages from each episode's last step, broadcast.
     uids = [t.instance_id for t in output["trajectory_ids"]]
     data = train_step(qwen3.tokenizer, output, uids, n=n, step_wise=True)

@@ -434,6 +434,11 @@ async def test_fault_matrix_through_verls_worker_one_valid_row_each(
             len(calls[0].prompt_ids) + RESPONSE_LENGTH - len(c.prompt_ids)
         )
     assert (ok["min_global_steps"], ok["max_global_steps"]) == (7, 9)
+    # Per turn, the weights verl said sampled it (its global_steps), through verl's own output.
+    assert [list(v) for v in ok["turn_versions"]] == [[7, 7], [8, 8], [9, 9]][
+        : len(ok["turn_versions"])
+    ]
+    assert len(ok["turn_versions"]) >= 2
 
     # Failed before the first turn: a one-token placeholder under mask 0, the failure reward.
     for case, why in (("fail_first", "rollout replica is gone"), ("long_prompt", "prompt_length")):

@@ -16,6 +16,7 @@ from agent_backend.rollout.trainers import (
     is_placeholder,
     to_trl,
     to_verl_fields,
+    token_versions,
     trl_reward,
 )
 from agent_backend.rollout.trajectory import Trajectory
@@ -196,3 +197,40 @@ def test_episode_rows_refuses_a_repeated_key_and_mixed_rollouts() -> None:
     a, b = traj(0, [1], [2], [1]), traj(0, [1], [2], [1], rollout_id="other")
     with pytest.raises(ValueError, match="several rollouts"):
         episode_rows([a, b], expect=[(0, 0)], placeholder_token_id=0)
+
+
+def test_turn_versions_reach_trl_verl_and_per_token() -> None:
+    # Two turns: the first sent and answered at 3, the second crossed a continue update 3 -> 4.
+    record = traj(
+        0,
+        [1],
+        [5, 6, 7, 8, 9],
+        [1, 1, 0, 1, 1],
+        turn_spans=[(0, 2), (3, 5)],
+        turn_versions=[(3, 3), (3, 4)],
+        policy_version_start=3,
+        policy_version_end=4,
+        num_turns=2,
+    )
+    trl = to_trl([record])
+    assert "turn_versions" in TRL_EXTRA_KEYS
+    assert trl["turn_versions"] == [[(3, 3), (3, 4)]]
+    assert (trl["policy_version_start"], trl["policy_version_end"]) == ([3], [4])
+    verl = to_verl_fields([record, BATCH[0]])["non_tensor_batch"]
+    assert verl["policy_version_start"].tolist() == [3, 0]
+    assert verl["policy_version_end"].tolist() == [4, 1]
+    assert verl["turn_versions"].shape == (2,)  # one list per row, not a 2-d array
+    assert verl["turn_versions"][0] == [(3, 3), (3, 4)]
+    assert verl["turn_versions"][1] == []
+    # Per token: the version the turn was sent at; -1 on the tool's token between turns.
+    assert token_versions(record) == [3, 3, -1, 3, 3]
+    # An old record without per-turn versions: its start version for every turn.
+    old = traj(1, [1], [5, 6], [1, 1], turn_spans=[(0, 2)])
+    assert token_versions(old) == [0, 0]
+
+
+def test_turn_versions_must_align_with_turns_and_lie_within_the_episodes_versions() -> None:
+    with pytest.raises(ValueError, match="align"):
+        traj(0, [1], [5], [1], turn_spans=[(0, 1)], turn_versions=[(0, 0), (0, 1)])
+    with pytest.raises(ValueError, match="within"):
+        traj(0, [1], [5], [1], turn_spans=[(0, 1)], turn_versions=[(0, 2)])

@@ -330,7 +330,9 @@ class PolicyServerClient(AsyncResource):
                     url = lease.endpoint(self._endpoint)
                     self._requests += 1
                     status, body, retry_after = await self._send(url, payload)
-            except PolicyError as exc:  # no server is up
+            except PolicyError as exc:  # no server is up (retryable), or they are closed
+                if not exc.retryable:
+                    raise
                 last, resend_now = exc, False
                 continue
             except (aiohttp.ClientError, TimeoutError) as exc:

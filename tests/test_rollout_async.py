@@ -9,8 +9,6 @@ real vLLM CPU server is tests/test_vllm_weights.py.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +17,7 @@ import anyio
 import pytest
 from support.policy_server import local_dispatcher
 from support.rl_server import RLServer, rl_server
+from support.rl_server import fake_checkpoint as checkpoint
 from support.tiny_model import build_tiny_model
 
 from agent_backend.dispatch import Dispatcher
@@ -48,16 +47,6 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> ChatTemplate:
 async def dispatcher(tmp_path: Path) -> AsyncIterator[Dispatcher]:
     async with local_dispatcher(tmp_path / "ws") as opened:
         yield opened
-
-
-def checkpoint(root: Path, n: int) -> Path:
-    """A checkpoint folder as save_pretrained writes one (the scripted server reads ``n``)."""
-    path = root / f"ckpt-{n}"
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
-    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\0\0")
-    return path
 
 
 def pool_for(

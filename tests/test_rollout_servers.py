@@ -6,17 +6,17 @@ The same against the real vLLM CPU server is tests/test_vllm_weights.py.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 from support.rl_server import RLServer, rl_server
+from support.rl_server import fake_checkpoint as checkpoint
 
 from agent_backend.errors import PolicyError
-from agent_backend.rollout import VLLMTokenSampler
+from agent_backend.rollout import SampledTokens, VLLMTokenSampler
 from agent_backend.rollout.servers import PolicyServers, Sticky, base_url
 from agent_backend.rollout.weight_sync import check_checkpoint, untie_for_vllm
 
@@ -27,23 +27,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 async def two() -> AsyncIterator[tuple[RLServer, RLServer]]:
     async with rl_server() as a, rl_server() as b:
         yield a, b
-
-
-def checkpoint(tmp_path: Path, n: int | str, *, tied: bool = False, head: bool = False) -> Path:
-    """A checkpoint folder as save_pretrained writes one: config.json and a safetensors file
-    (one float32 tensor per name), enough for check_checkpoint."""
-    path = tmp_path / f"ckpt-{n}"
-    path.mkdir(exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
-    names = ["model.embed_tokens.weight", *(["lm_head.weight"] if head else [])]
-    header = {
-        name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
-        for i, name in enumerate(names)
-    }
-    raw = json.dumps(header).encode()
-    data = struct.pack("<Q", len(raw)) + raw + struct.pack(f"<{len(names)}f", *[0.0] * len(names))
-    (path / "model.safetensors").write_bytes(data)
-    return path
 
 
 def test_base_url_strips_endpoints_and_v1() -> None:
@@ -168,11 +151,22 @@ async def test_drain_lets_in_flight_turns_finish_on_the_old_weights(
         assert results["report"].drained == 1  # type: ignore[attr-defined]
 
 
-async def test_abort_resends_the_turn_on_the_new_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("in_flight", "versions", "requests", "pause"),
+    [
+        # Aborted, and sent again on the new weights (not counted as a retry).
+        ("abort", (1, 1), 2, "pause:abort"),
+        # Held, then frozen by pause(keep), resumed on the new weights: it crossed the update.
+        ("continue", (0, 1), 1, "pause:keep"),
+    ],
+)
+async def test_a_turn_held_on_the_server_across_an_update(
+    tmp_path: Path, in_flight: Any, versions: tuple[int, int], requests: int, pause: str
+) -> None:
     async with rl_server() as a, PolicyServers(a.url) as servers:
         a.hold = True
         async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
-            results: dict[str, object] = {}
+            results: dict[str, SampledTokens] = {}
 
             async def turn() -> None:
                 results["turn"] = await sampler.sample([1])
@@ -181,35 +175,13 @@ async def test_abort_resends_the_turn_on_the_new_weights(tmp_path: Path) -> None
                 group.start_soon(turn)
                 await a.wait_in_flight(1)
                 a.hold = False
-                await servers.update_weights(checkpoint(tmp_path, 1), in_flight="abort")
+                await servers.update_weights(checkpoint(tmp_path, 1), in_flight=in_flight)
         out = results["turn"]
-        assert out.token_ids == [1]
-        assert out.versions == (1, 1)
-        assert len(a.requests) == 2  # aborted once, sent again on the new weights
-        assert servers.statistics().resent_after_abort == 1
-        assert a.calls == ["pause:abort", "reload:ckpt-1", "version:1", "resume"]
-
-
-async def test_continue_lets_a_turn_cross_the_update_and_records_both_versions(
-    tmp_path: Path,
-) -> None:
-    async with rl_server() as a, PolicyServers(a.url) as servers:
-        a.hold = True
-        async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
-            results: dict[str, object] = {}
-
-            async def turn() -> None:
-                results["turn"] = await sampler.sample([1])
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(turn)
-                await a.wait_in_flight(1)  # held, then frozen by pause(keep) until /resume
-                await servers.update_weights(checkpoint(tmp_path, 1), in_flight="continue")
-        out = results["turn"]
-        assert out.token_ids == [1]  # sampled on after the update, on the new weights
-        assert out.versions == (0, 1)  # type: ignore[attr-defined]
-        assert len(a.requests) == 1
-        assert a.calls == ["pause:keep", "reload:ckpt-1", "version:1", "resume"]
+        assert out.token_ids == [1]  # its tokens come from the new weights
+        assert out.versions == versions
+        assert len(a.requests) == requests
+        assert servers.statistics().resent_after_abort == requests - 1
+        assert a.calls == [pause, "reload:ckpt-1", "version:1", "resume"]
 
 
 async def test_a_refused_checkpoint_raises_keeps_the_version_and_resumes(

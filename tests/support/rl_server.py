@@ -21,7 +21,9 @@ This module must never listen on anything but 127.0.0.1.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 
-__all__ = ["RLServer", "rl_server"]
+__all__ = ["RLServer", "fake_checkpoint", "rl_server"]
 
 _CKPT = re.compile(r"ckpt-(\d+)$")
 
@@ -193,3 +195,21 @@ async def rl_server() -> AsyncIterator[RLServer]:
         yield server
     finally:
         await server.stop()
+
+
+def fake_checkpoint(root: Path, n: int | str, *, tied: bool = False, head: bool = False) -> Path:
+    """``root/ckpt-<n>`` as save_pretrained writes one, for the scripted server (which reads
+    ``n``) and for ``check_checkpoint``: config.json and a safetensors file holding the input
+    embeddings (and ``lm_head.weight`` with ``head``), one float32 each."""
+    path = root / f"ckpt-{n}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    names = ["model.embed_tokens.weight", *(["lm_head.weight"] if head else [])]
+    header = {
+        name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]}
+        for i, name in enumerate(names)
+    }
+    raw = json.dumps(header).encode()
+    data = struct.pack("<Q", len(raw)) + raw + struct.pack(f"<{len(names)}f", *[0.0] * len(names))
+    (path / "model.safetensors").write_bytes(data)
+    return path

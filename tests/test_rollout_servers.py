@@ -260,3 +260,28 @@ def test_a_tied_checkpoint_without_an_output_layer_is_refused_until_untied(
     check_checkpoint(tied)
     loaded = safetensors_torch.load_file(str(tied / "model.safetensors"))
     assert torch.equal(loaded["lm_head.weight"], loaded["model.embed_tokens.weight"])
+
+
+async def test_sglang_servers_are_updated_through_sglangs_endpoints(tmp_path: Path) -> None:
+    async with (
+        rl_server() as a,
+        PolicyServers(a.url, weights="sglang") as servers,
+        VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler,
+    ):
+        await servers.update_weights(checkpoint(tmp_path, 1))
+        assert (await sampler.sample([1])).token_ids == [1]
+        await servers.update_weights(checkpoint(tmp_path, 2), in_flight="continue")
+        with pytest.raises(PolicyError, match="refused"):
+            await servers.update_weights(tmp_path / "missing")
+    assert a.calls == [
+        "pause_generation:in_place",
+        "update_weights_from_disk:ckpt-1:1:flush=True",
+        "resume",
+        "pause_generation:in_place",
+        "update_weights_from_disk:ckpt-2:2:flush=False",  # frozen requests keep their cache
+        "resume",
+        "pause_generation:in_place",
+        "update_weights_from_disk:missing:3:flush=True",
+        "resume",  # resumed after the refusal too
+    ]
+    assert servers.version == 2

@@ -80,7 +80,37 @@ class RLServer:
         app.router.add_post("/collective_rpc", self._rpc)
         app.router.add_post("/update_weight_version", self._label)
         app.router.add_post("/reset_prefix_cache", self._reset)
+        # SGLang's names for the same (its documented API; no SGLang runs on this CPU).
+        app.router.add_post("/pause_generation", self._sglang_pause)
+        app.router.add_post("/continue_generation", self._resume)
+        app.router.add_post("/update_weights_from_disk", self._sglang_update)
         return app
+
+    async def _sglang_pause(self, request: web.Request) -> web.Response:
+        mode = (await request.json()).get("mode", "abort")
+        self.calls.append(f"pause_generation:{mode}")
+        self.paused = mode
+        self._resumed = anyio.Event()
+        if mode == "abort":
+            self._abort.set()
+            self._abort = anyio.Event()
+        else:  # in_place, retract: frozen until /continue_generation
+            self.release()
+        return web.json_response({"success": True})
+
+    async def _sglang_update(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        path = str(body.get("model_path", ""))
+        self.calls.append(
+            f"update_weights_from_disk:{Path(path).name}:{body.get('weight_version')}"
+            f":flush={body.get('flush_cache')}"
+        )
+        if not Path(path).is_dir():  # noqa: ASYNC240
+            return web.json_response({"success": False, "message": f"no such path {path}"})
+        found = _CKPT.search(path)
+        self.weights = int(found.group(1)) if found else 0
+        self.version_label = str(body.get("weight_version"))
+        return web.json_response({"success": True, "message": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "scripted"}]})

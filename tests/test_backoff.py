@@ -124,7 +124,7 @@ async def test_the_policy_client_waits_what_the_server_asks(status: int) -> None
     refusing = Refusing(status, "1", b'{"ok": 1}')
     async with serve(refusing) as url, policy_client(url, backoff=0.0, max_backoff=10.0) as client:
         with anyio.fail_after(10):
-            assert await client._post(b"{}") == {"ok": 1}
+            assert await client._post(b"{}", None) == ({"ok": 1}, (0, 0))
         assert client.statistics().retries == 1
     waited = refusing.arrivals[1] - refusing.arrivals[0]
     assert 0.9 <= waited < 5, waited
@@ -136,7 +136,7 @@ async def test_the_policy_client_caps_retry_after_at_its_max_backoff() -> None:
     refusing = Refusing(503, "3600", b'{"ok": 1}')
     async with serve(refusing) as url, policy_client(url, backoff=0.0, max_backoff=0.3) as client:
         with anyio.fail_after(10):
-            assert await client._post(b"{}") == {"ok": 1}
+            assert await client._post(b"{}", None) == ({"ok": 1}, (0, 0))
     waited = refusing.arrivals[1] - refusing.arrivals[0]
     assert 0.25 <= waited < 3, waited
 
@@ -203,7 +203,7 @@ async def test_the_policy_client_resends_at_once_when_the_server_hung_up() -> No
             f"http://127.0.0.1:{port}", backoff=30.0, max_backoff=60.0
         ) as client:
             with anyio.fail_after(10):
-                assert await client._post(b"{}") == {"ok": 1}
+                assert await client._post(b"{}", None) == ({"ok": 1}, (0, 0))
             assert client.statistics().retries == 1
         group.cancel_scope.cancel()
     assert len(server.arrivals) == 2

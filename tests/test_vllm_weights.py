@@ -222,16 +222,28 @@ async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
             episode=EpisodeConfig(max_turns=1, max_tokens_per_turn=24),
         )
         second = servers.servers[1]
-        async with pool.stream(prompts, groups_per_batch=1) as batches:
-            async for batch in batches:
-                trained_prompts.extend(sorted({r.prompt_index for r in batch}))
-                if second.up and second.requests >= 6:
-                    assert second_server.pid is not None
-                    os.killpg(second_server.pid, signal.SIGKILL)  # mid-run, requests in flight
+        killed_at: list[int] = []
+
+        async def kill_mid_run() -> None:
+            # Once the second server has served a few requests and has some in flight.
+            while second.requests < 4 or second.in_flight < 1:  # noqa: ASYNC110 (its state)
+                await anyio.sleep(0.002)
+            assert second_server.pid is not None
+            os.killpg(second_server.pid, signal.SIGKILL)
+            killed_at.append(pool.statistics().episodes_done)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(kill_mid_run)
+            async with pool.stream(prompts, groups_per_batch=1) as batches:
+                async for batch in batches:
+                    trained_prompts.extend(sorted({r.prompt_index for r in batch}))
+            group.cancel_scope.cancel()  # the run ended (had it ended before the kill: fails below)
         stats = pool.statistics()
     assert sorted(trained_prompts) == list(range(16))  # none lost, none twice
     assert stats.groups_failed == 0
     assert stats.stop_reasons.get("rollout_error", 0) == 0
+    assert killed_at, "the run ended before the second server was killed"
+    assert killed_at[0] < 32  # killed mid-run: episodes were left to sample
     assert not second.up  # taken out at its first refused connection
     first = servers.servers[0]
     assert first.requests > 0

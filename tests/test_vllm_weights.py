@@ -137,8 +137,12 @@ async def test_after_update_weights_the_sampler_matches_the_trainer_and_without_
     assert error < 1e-3
 
 
-async def long_sample(sampler: VLLMTokenSampler, prompt: list[int]) -> SampledTokens:
-    return await sampler.sample(prompt, max_tokens=300)
+#: Tokens of the request in flight at the update: under ``continue`` it should still be
+#: running when the pause reaches the server. Beside the server's spinning processes this
+#: process can be held off the CPU for seconds (a run saw 1,369 tokens sampled before the
+#: pause landed); the verdict does not depend on it: a request that finished first must be
+#: labelled and sampled as the old weights' alone.
+LONG = {"drain": 300, "abort": 300, "continue": 1900}
 
 
 @pytest.mark.parametrize("in_flight", ["drain", "abort", "continue"])
@@ -156,7 +160,7 @@ async def test_each_in_flight_policy_on_the_real_server(
     ) as sampler:
 
         async def turn() -> None:
-            results["turn"] = await long_sample(sampler, prompt)
+            results["turn"] = await sampler.sample(prompt, max_tokens=LONG[in_flight])
 
         async with anyio.create_task_group() as group:
             group.start_soon(turn)
@@ -165,7 +169,7 @@ async def test_each_in_flight_policy_on_the_real_server(
             report = await servers.update_weights(trained, in_flight=in_flight)
             after = await sampler.sample(prompt, max_tokens=16)
     out = results["turn"]
-    assert len(out.token_ids) == 300
+    assert len(out.token_ids) == LONG[in_flight]
     assert after.versions == (1, 1)
     assert max_error(new, prompt, after) < 1e-3
     if in_flight == "drain":
@@ -176,6 +180,9 @@ async def test_each_in_flight_policy_on_the_real_server(
         assert out.versions == (1, 1)
         assert servers.statistics().resent_after_abort == 1
         assert max_error(new, prompt, out) < 1e-3  # sampled again, on the new weights
+    elif out.versions == (0, 0):  # it ended before the pause reached the server
+        assert max_error(old, prompt, out) < 1e-3
+        print("continue: the request ended before the update; old weights throughout")
     else:
         assert out.versions == (0, 1)
         # A prefix from the old weights, the rest from the new (the frozen request's cache is
@@ -188,6 +195,7 @@ async def test_each_in_flight_policy_on_the_real_server(
             len(got),
         )
         assert all(abs(a - b) < 1e-3 for a, b in zip(by_new[split:], got[split:], strict=True))
+        print(f"continue: {split} tokens sampled on the old weights, then the new")
 
 
 @pytest.fixture(scope="module")

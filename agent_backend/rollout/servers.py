@@ -228,7 +228,9 @@ class PolicyServers(AsyncResource):
         self._epoch = 0
         self._updates = 0
         self._resent = 0
-        self._update_lock = anyio.Lock()
+        # fast_acquire: uncontended, an update closes the gate (and counts an abort) in the step
+        # it is called in, before any answer to a request sent earlier is read.
+        self._update_lock = anyio.Lock(fast_acquire=True)
         self._http: aiohttp.ClientSession | None = None
         self._closed = False
         self._turn = 0

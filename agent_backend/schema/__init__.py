@@ -5,6 +5,7 @@ external ``$ref`` is reported, never fetched.
 """
 
 from agent_backend.schema.dialect import Dialect, detect_dialect
+from agent_backend.schema.keywords import check_json_shape
 from agent_backend.schema.parse import Limits, parse_arguments
 from agent_backend.schema.prepare import CompiledSchema, compile_schema, prepare_arguments
 from agent_backend.schema.refs import ExternalRef, Resolution, resolve_local_refs, resolve_schema
@@ -16,6 +17,7 @@ __all__ = [
     "ExternalRef",
     "Limits",
     "Resolution",
+    "check_json_shape",
     "compile_schema",
     "detect_dialect",
     "parse_arguments",

@@ -16,6 +16,9 @@ from agent_backend.errors import SchemaError
 
 __all__ = [
     "MAX_DEPTH",
+    "MAX_JSON_DEPTH",
+    "MAX_JSON_NODES",
+    "check_json_shape",
     "escape_pointer",
     "iter_schema_nodes",
     "map_schema",
@@ -25,6 +28,51 @@ __all__ = [
 
 #: Deepest subschema nesting any walker accepts; deeper schemas are refused, not truncated.
 MAX_DEPTH = 256
+#: Deepest nesting of objects and arrays a schema document may have, checked without recursion
+#: before anything recursive (a copy, the compiler) sees it: a subschema level is one or two
+#: containers (``items``: one; ``properties``: two), and the compiler refuses ~240 levels
+#: of ``properties`` on its own. Deeper documents raised RecursionError from copying.
+MAX_JSON_DEPTH = 400
+#: Most objects and arrays a schema document may hold (shared ones counted each time they
+#: are reached: a document that shares subtrees to explode is refused, not walked).
+MAX_JSON_NODES = 1_000_000
+
+
+def check_json_shape(
+    value: Any,
+    *,
+    source: str | None = None,
+    max_depth: int = MAX_JSON_DEPTH,
+    max_nodes: int = MAX_JSON_NODES,
+) -> None:
+    """Refuse a schema document nested deeper than ``max_depth`` containers, or holding more
+    than ``max_nodes``, with a :class:`SchemaError`; iterative, so no depth or cycle (a
+    dict that contains itself) can overflow the stack. Bounded: at most ``max_nodes``
+    containers are visited."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, Mapping):
+            children: Any = node.values()
+        elif isinstance(node, list | tuple):
+            children = node
+        else:
+            continue
+        seen += 1
+        if depth > max_depth:
+            raise SchemaError(
+                f"the schema nests objects and arrays deeper than {max_depth} levels",
+                source=source,
+            )
+        if seen > max_nodes:
+            raise SchemaError(
+                f"the schema holds more than {max_nodes} objects and arrays", source=source
+            )
+        stack.extend(
+            (child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple)
+        )
+
 
 # Keywords whose values hold subschemas, by shape. The flag says whether the
 # subschema applies to a child instance (an element, a property value, a

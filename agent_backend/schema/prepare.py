@@ -29,7 +29,7 @@ import orjson
 from agent_backend.errors import SchemaError, SchemaRefError, ToolArgumentError
 from agent_backend.schema.coerce import Coercer
 from agent_backend.schema.dialect import Dialect
-from agent_backend.schema.keywords import map_schema
+from agent_backend.schema.keywords import check_json_shape, map_schema
 from agent_backend.schema.parse import (
     DEFAULT_LIMITS,
     Limits,
@@ -79,6 +79,7 @@ class CompiledSchema:
                 f"a schema must be an object or a boolean, not {type(schema).__name__}",
                 source=source,
             )
+        check_json_shape(schema, source=source)  # before anything recursive walks it
         original: dict[str, Any] | bool = (
             schema if isinstance(schema, bool) else copy.deepcopy(dict(schema))
         )

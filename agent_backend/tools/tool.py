@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from agent_backend.errors import SchemaError
-from agent_backend.schema import CompiledSchema, compile_schema
+from agent_backend.schema import CompiledSchema, check_json_shape, compile_schema
 from agent_backend.tools.invoke import run_prepared
 
 __all__ = [
@@ -80,6 +80,7 @@ def _check_parameters(parameters: object, source: str | None) -> dict[str, Any]:
             source=source,
             pointer="/type",
         )
+    check_json_shape(parameters, source=source)  # before the recursive copy
     return copy.deepcopy(dict(parameters))
 
 

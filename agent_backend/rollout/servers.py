@@ -414,11 +414,13 @@ class PolicyServers(AsyncResource):
             return False
         version = self._version
         try:
-            await self.weights.reload(
+            # Nothing of ours is in flight on a server out of rotation: drained at once.
+            await self.weights.update(
                 self._session(),
                 server.url,
                 self.checkpoint,
                 version,
+                "drain",
                 step_timeout=self.update_timeout,
             )
         except PolicyError as exc:

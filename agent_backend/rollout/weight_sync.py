@@ -89,18 +89,6 @@ class WeightSync(Protocol):
         """``on_loaded`` is called once the weights are loaded, before the server resumes."""
         ...
 
-    async def reload(
-        self,
-        http: aiohttp.ClientSession,
-        base_url: str,
-        checkpoint: str,
-        version: int,
-        *,
-        step_timeout: float,
-    ) -> None:
-        """Load ``checkpoint`` into a server that serves nothing of ours (one probed back)."""
-        ...
-
 
 async def _post(
     http: aiohttp.ClientSession,
@@ -245,17 +233,6 @@ class VLLMWeights:
                     http, f"{base_url}/resume", None, step_timeout=step_timeout, hint=self._HINT
                 )
 
-    async def reload(
-        self,
-        http: aiohttp.ClientSession,
-        base_url: str,
-        checkpoint: str,
-        version: int,
-        *,
-        step_timeout: float,
-    ) -> None:
-        await self.update(http, base_url, checkpoint, version, "drain", step_timeout=step_timeout)
-
     async def _load(
         self,
         http: aiohttp.ClientSession,
@@ -334,17 +311,6 @@ class SGLangWeights:
         finally:
             with anyio.CancelScope(shield=True):
                 await _post(http, f"{base_url}/continue_generation", {}, step_timeout=step_timeout)
-
-    async def reload(
-        self,
-        http: aiohttp.ClientSession,
-        base_url: str,
-        checkpoint: str,
-        version: int,
-        *,
-        step_timeout: float,
-    ) -> None:
-        await self.update(http, base_url, checkpoint, version, "drain", step_timeout=step_timeout)
 
 
 def weight_sync(kind: Literal["vllm", "sglang"] | WeightSync) -> WeightSync:

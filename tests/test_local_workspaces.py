@@ -280,7 +280,10 @@ async def test_remove_renames_to_trash_and_returns_before_the_tree_is_removed(di
         assert disk.removed == 0
         assert [n.split("-")[0] for n in disk.listing()] == ["trash"]
         disk.remove_gate.set()
-        await until(lambda: disk.listing() == [], "the trash removed by a thread")
+        # Counted after the tree is gone: wait for the count, not only for the empty folder.
+        await until(
+            lambda: disk.removed == 1 and disk.listing() == [], "the trash removed by a thread"
+        )
         assert disk.removed == 1
     finally:
         disk.remove_gate.set()

@@ -128,7 +128,12 @@ class RolloutWorker:
         import os
         import socket
 
-        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     async def wait_closed(self) -> None:
         """Never returns: its reference fails the moment the actor dies (the driver's sentinel)."""
@@ -216,7 +221,7 @@ class RolloutWorkerInfo:
     (``extras["worker"]``) and errors name it."""
     ray_name: str
     """The Ray actor's name (``ray.get_actor(ray_name)``, ``ray list actors``)."""
-    state: Literal["starting", "live", "dead"]
+    state: Literal["starting", "live", "unavailable", "dead"]
     in_flight: int
     served: int
     """Episodes it returned (whatever their stop reason)."""
@@ -350,13 +355,13 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
     def _started_twice(self) -> RolloutError:
         return RolloutError(f"the Ray rollout workers can be started once (they are {self._state})")
 
-    def _spawn(self, index: int, generation: int) -> _Worker:
+    def _spawn(self, index: int, generation: int, placement: dict[str, Any]) -> _Worker:
         config = self.config
         # Replacements only get a generation suffix: a first worker's name, which records
         # carry (extras["worker"]), stays what it was before workers were replaced.
         name = f"{config.name}-rollout-{index}" + (f".{generation}" if generation else "")
         ray_name = f"agent_backend/rollout/{config.name}/{self._token}/{index}.{generation}"
-        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS)
+        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS, **placement)
         functions = [(tool.function, tool.name) for tool in config.tools]
         handle = (
             _worker_class()
@@ -383,9 +388,9 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
         worker.sentinel = handle.wait_closed.remote()
         return worker
 
-    async def _await_ready(self, worker: _Worker) -> None:
-        """Wait (at most ``start_timeout``) for ``worker``'s actor to run."""
-        await describe_when_ready(
+    async def _await_ready(self, worker: _Worker) -> Any:
+        """Wait (at most ``start_timeout``) for ``worker``'s actor to run; its description."""
+        return await describe_when_ready(
             worker.handle, label=f"rollout worker {worker.name}", config=self.config
         )
 
@@ -469,8 +474,7 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
             return self._failed(ids, version, "rollout_error", error)
         except ACTOR_DEATHS as exc:
             await _drain(second)
-            cause_text = describe_cause(exc)
-            self._evict(worker, cause_text)
+            cause_text = self._lose(worker, exc)
             self._lost += 1
             error = f"rollout worker {worker.name} was lost: {cause_text}"
             return self._failed(ids, version, "env_error", error)

@@ -179,6 +179,7 @@ class ToolActor:
         return {
             "pid": os.getpid(),
             "node": ray.util.get_node_ip_address(),  # type: ignore[no-untyped-call]
+            "node_id": ray.get_runtime_context().get_node_id(),
             "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
             "tools": [
                 {

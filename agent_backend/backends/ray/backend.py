@@ -48,6 +48,7 @@ from agent_backend.backends._errors import map_exceptions
 from agent_backend.backends.ray.actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
+from agent_backend.backends.ray.placement import alive_nodes
 from agent_backend.backends.ray.replicas import Replica
 from agent_backend.backends.ray.reports import RayActorInfo, RayResult, RayStatistics
 from agent_backend.backends.ray.runtime import (
@@ -117,13 +118,16 @@ class _Actor(Replica):
             self.node,
             self.gpu_ids,
             self.cause,
+            self.node_id,
         )
 
 
 class _ActorDied(Exception):
-    def __init__(self, cause: str) -> None:
+    def __init__(self, cause: str, *, unavailable: bool = False) -> None:
         super().__init__(cause)
         self.cause = cause
+        self.unavailable = unavailable
+        """Ray lost the actor's connection and has not said it died: the call may have run."""
 
 
 class RayBackend(ActorSupervisor[_Actor], Backend):
@@ -174,7 +178,8 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
     def capacity(self) -> tuple[int, int]:
         """Live actors, of all the pool's replicas (those starting or dead and not replaced yet)."""
         s = self.statistics()
-        return s.actors_live, s.actors_live + s.actors_starting + s.actors_dead
+        total = s.actors_live + s.actors_starting + s.actors_unavailable + s.actors_dead
+        return s.actors_live, total
 
     def pick_host(self) -> Host:
         raise BackendUnavailable(
@@ -226,18 +231,20 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
             restarts=self._actors.replacements,
             payloads=sum(1 for payload in self._payloads if not payload.is_released()),
             closed=self._state == "closed",
+            actors_unavailable=states["unavailable"],
+            nodes_lost=len(self._actors.dead_nodes),
         )
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def _prepare(self) -> None:
-        check_cluster(self.config, await anyio.to_thread.run_sync(ray.cluster_resources))
+        check_cluster(self.config, await anyio.to_thread.run_sync(alive_nodes))
 
-    def _spawn(self, index: int, generation: int) -> _Actor:
+    def _spawn(self, index: int, generation: int, placement: dict[str, Any]) -> _Actor:
         config = self.config
         name = f"{config.name}-{index}.{generation}"
         ray_name = f"agent_backend/{config.name}/{self._pool_id}/{index}.{generation}"
-        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS)
+        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS, **placement)
         handle = (
             _actor_class()
             .options(**options)
@@ -333,12 +340,17 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
                     try:
                         value = await self._run_on(actor, tool, arguments, has_payloads)
                     except _ActorDied as died:
-                        self._evict(actor, died.cause)
+                        if died.unavailable:
+                            # Out of rotation with its node's actors until Ray says more.
+                            self._actors.suspect(actor, died.cause)
+                        else:
+                            self._evict(actor, died.cause)
                         if spec.idempotent and attempts == 1:
                             self._retries += 1
                             continue
+                        what = "was lost (it may have run)" if died.unavailable else "died"
                         raise WorkerLost(
-                            f"actor {actor.name} of pool {self.config.name!r} died during a "
+                            f"actor {actor.name} of pool {self.config.name!r} {what} during a "
                             f"call of {tool!r}: {died.cause}",
                             worker=actor.name,
                             cause=died.cause,
@@ -374,6 +386,8 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
             ):
                 try:
                     outcome: Outcome = await outcome_ref
+                except ray.exceptions.ActorUnavailableError as exc:
+                    raise _ActorDied(describe_cause(exc), unavailable=True) from None
                 except ACTOR_DEATHS as exc:
                     raise _ActorDied(describe_cause(exc)) from None
                 except ray.exceptions.RayTaskError as exc:

@@ -23,6 +23,9 @@ __all__ = ["INLINE_FLOOR", "LocalRayConfig", "RayPoolConfig", "RayToolConfig"]
 INLINE_FLOOR: Final = 100 * 1024
 
 _RESOURCE_NAME: Final = r"^[A-Za-z_][\w.:/-]*$"
+# Ray's label keys (an optional DNS prefix, then a name) and plain label values.
+_LABEL_KEY: Final = r"^([a-z0-9]([a-z0-9.-]*[a-z0-9])?/)?[A-Za-z0-9]([\w.-]{0,61}[A-Za-z0-9])?$"
+_LABEL_VALUE: Final = r"^[A-Za-z0-9]([\w.-]{0,61}[A-Za-z0-9])?$"
 
 
 def _check_gpus(value: float) -> float:
@@ -145,8 +148,33 @@ class RayPoolConfig(ConfigModel):
     pool serves with the rest (with none left, calls fail with ``BackendUnavailable``)."""
     autoscaling: bool = False
     """True when the cluster adds nodes on demand: actors it cannot hold yet are waited for
-    (up to ``start_timeout``). False: a pool whose actors do not fit the cluster's total
-    resources fails at start with ``ResourceUnavailable`` instead of waiting."""
+    (up to ``start_timeout``). False: a pool whose replicas do not fit the cluster's alive nodes
+    (each actor on one node; packed node by node, not against the cluster's totals) fails at
+    start with ``ResourceUnavailable`` naming every node's shape, instead of waiting."""
+    strategy: Literal["default", "spread", "pack"] = "default"
+    """Where replicas go: ``"default"`` (Ray's: fill the least-used nodes up to half, then
+    spread), ``"spread"`` (over as many nodes as possible: a node's loss costs the fewest
+    actors) or ``"pack"`` (onto the nodes already holding the pool's actors while they have room:
+    frees whole nodes, e.g. for training)."""
+    node_labels: dict[
+        Annotated[str, pydantic.StringConstraints(pattern=_LABEL_KEY)],
+        Annotated[str, pydantic.StringConstraints(pattern=_LABEL_VALUE)],
+    ] = pydantic.Field(default_factory=dict)
+    """Node labels every actor's node must carry (``{zone = "a", "ray.io/accelerator-type" =
+    "A100"}``): Ray's label selectors, set on nodes with ``ray start --labels``."""
+    bundles: tuple[Resources, ...] = ()
+    """A placement group per replica: its resource bundles (``[{CPU = 1, GPU = 1}, {GPU = 1}]``)
+    reserved together before the actor starts. The actor runs in the first bundle (which must
+    hold its ``num_cpus``/``num_gpus``/``resources``); tasks and actors it starts itself go to the
+    group's other bundles. For a tool that drives several GPUs of one node (``bundle_strategy =
+    "strict_pack"``). Empty: no placement group."""
+    bundle_strategy: Literal["strict_pack", "pack", "spread", "strict_spread"] = "strict_pack"
+    """How a replica's bundles are placed: all on one node (``strict_pack``), on as few nodes as
+    possible (``pack``), over several (``spread``) or each on its own node (``strict_spread``)."""
+    unavailable_timeout: float = pydantic.Field(default=30.0, gt=0)
+    """Seconds an actor Ray reports temporarily unavailable (its connection lost, its node not
+    yet confirmed dead) is kept out of rotation and waited for, before it is declared dead and
+    replaced. Its calls meanwhile go elsewhere (idempotent ones) or fail with ``WorkerLost``."""
     log_to_driver: bool = True
     """Show the actors' stdout and stderr in this process (when this pool connects to Ray)."""
 
@@ -154,3 +182,24 @@ class RayPoolConfig(ConfigModel):
         """What each actor reserves, in Ray's resource names."""
         held = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
         return {name: amount for name, amount in held.items() if amount > 0}
+
+    @pydantic.model_validator(mode="after")
+    def _actor_fits_first_bundle(self) -> RayPoolConfig:
+        if self.bundles and self.strategy != "default":
+            raise ValueError(
+                "strategy: a pool with bundles is placed by bundle_strategy (each replica its "
+                "own placement group); leave strategy at its default"
+            )
+        if self.bundles:
+            first = self.bundles[0]
+            short = {
+                name: amount
+                for name, amount in self.actor_resources().items()
+                if first.get(name, 0.0) + 1e-9 < amount
+            }
+            if short:
+                raise ValueError(
+                    f"bundles: the actor runs in the first bundle, which must hold what it "
+                    f"reserves ({short} more than {dict(first)})"
+                )
+        return self

@@ -3,8 +3,16 @@
 :class:`ActorSet` holds the current actor of every replica and the ones it
 replaced, and runs their faults: an actor whose death sentinel fails (or
 that its owner saw die) is evicted once, killed, and replaced at most
-``max_restarts`` times per replica, with a growing pause between failed
-starts, in the owner's task group. Its owner
+``max_restarts`` times per replica, in the owner's task group. Nodes are
+failure domains: an actor that died with its node takes every actor of the
+pool on that node with it at once, and an actor Ray reports *unavailable*
+(its connection lost, its node not yet known dead) takes its node's actors
+out of rotation until a probe pinned to that node says whether the node
+lives (then each actor is asked in turn) or died (then all are evicted),
+within ``unavailable_timeout``. Only the real death of a running actor
+spends a restart: a replacement that could not be placed or died while
+starting (a node lost before Ray marked it dead) is tried again, away from
+the nodes known dead, with a growing pause. Its owner
 (:class:`~agent_backend.backends.ray.supervisor.ActorSupervisor`) says how to
 spawn an actor, what "ready" means, and what to do when the set changes.
 
@@ -27,17 +35,25 @@ import anyio.abc
 import anyio.to_thread
 import ray
 
-from agent_backend.backends.ray.runtime import describe_cause, kill_actors
-from agent_backend.errors import AgentBackendError
+from agent_backend.backends.ray.runtime import (
+    describe_cause,
+    kill_actors,
+    node_died,
+    probe_node,
+    remove_placement_groups,
+)
+from agent_backend.errors import AgentBackendError, ConfigError
 
 __all__ = ["ActorSet", "ActorState", "Replica"]
 
-ActorState = Literal["starting", "live", "dead"]
+ActorState = Literal["starting", "live", "unavailable", "dead"]
 
 #: Seconds :meth:`ActorSet.stop` waits for Ray to report the killed actors dead.
 _STOP_WAIT: Final = 10.0
 #: Longest pause, in seconds, between failed starts of a replica's replacement.
 _MAX_BACKOFF: Final = 5.0
+#: Seconds between questions to an actor Ray still reports unavailable while its node lives.
+_ASK_PAUSE: Final = 0.5
 
 
 @dataclasses.dataclass(eq=False, slots=True, kw_only=True)
@@ -60,20 +76,31 @@ class Replica:
     in_flight: int = 0
     served: int = 0
     cause: str | None = None
+    node_id: str | None = None
+    """The Ray node it runs on, once it has started (from what ``await_ready`` returned)."""
+    placement_group: Any = None
+    """Its own placement group (``bundles``), removed when it is retired."""
 
 
 A = TypeVar("A", bound=Replica)
+
+#: What :meth:`ActorSet.start`'s and the replacements' ``spawn`` take: the replica, the
+#: generation, and the nodes to keep away from (known dead, or out while Ray decides).
+Spawn = Callable[[int, int, frozenset[str]], A]
 
 
 class ActorSet(Generic[A]):
     """The actors of ``replicas`` replicas: current ones in :attr:`entries`, replaced ones in
     :attr:`retired`, and a restart budget of ``max_restarts`` per replica.
 
-    ``spawn(index, generation)`` creates a replica's actor (``starting``, no
-    I/O awaited); ``await_ready(actor)`` waits until it serves, raising an
-    :class:`~agent_backend.errors.AgentBackendError` when it never will;
+    ``spawn(index, generation, avoid)`` creates a replica's actor (``starting``,
+    no I/O awaited) on a node not in ``avoid``; ``await_ready(actor)`` waits
+    until it serves, raising an :class:`~agent_backend.errors.AgentBackendError`
+    when it never will (its result may name the actor's ``node_id``);
     ``changed()`` is called (synchronously) whenever an actor changes state.
-    ``closed_cause`` is what :meth:`stop` records as the cause of the actors it kills.
+    ``closed_cause`` is what :meth:`stop` records as the cause of the actors it kills;
+    ``probe(node_id)`` says whether a node lives (None) or why not
+    (:func:`~agent_backend.backends.ray.runtime.probe_node`).
     """
 
     def __init__(
@@ -82,10 +109,12 @@ class ActorSet(Generic[A]):
         replicas: int,
         max_restarts: int,
         max_concurrency: int,
-        spawn: Callable[[int, int], A],
+        spawn: Spawn[A],
         await_ready: Callable[[A], Awaitable[Any]],
         changed: Callable[[], None],
         closed_cause: str,
+        unavailable_timeout: float = 30.0,
+        probe: Callable[[str], Awaitable[str | None]] = probe_node,
     ) -> None:
         self._replicas = replicas
         self._max_restarts = max_restarts
@@ -94,15 +123,22 @@ class ActorSet(Generic[A]):
         self._await_ready = await_ready
         self._changed = changed
         self._closed_cause = closed_cause
+        self._unavailable_timeout = unavailable_timeout
+        self._probe = probe
         self._tasks: anyio.abc.TaskGroup | None = None
         self.entries: list[A] = []
         """The current actor of each replica (index = replica)."""
         self.retired: list[A] = []
         """Actors replaced by a newer generation, oldest first."""
         self.restarts = [0] * replicas
-        """Replacements started, per replica."""
+        """Real deaths replaced, per replica (what ``max_restarts`` bounds)."""
+        self._generations = [0] * replicas
         self.evictions = 0
         self.replacements = 0
+        self.dead_nodes: set[str] = set()
+        """Nodes known dead: no replacement goes there."""
+        self.judged_nodes: set[str] = set()
+        """Nodes out of rotation while a probe finds out whether they live."""
 
     # -- introspection ---------------------------------------------------------------------------
 
@@ -123,6 +159,10 @@ class ActorSet(Generic[A]):
         """``NAME: cause; ...`` of the current actors that died, for an error message."""
         return "; ".join(f"{entry.name}: {entry.cause}" for entry in self.entries if entry.cause)
 
+    def avoided(self) -> frozenset[str]:
+        """Nodes a new actor must not go to now."""
+        return frozenset(self.dead_nodes | self.judged_nodes)
+
     # -- routing (sync) --------------------------------------------------------------------------
 
     def pick(self) -> A | None:
@@ -132,23 +172,70 @@ class ActorSet(Generic[A]):
         return min(free, key=lambda e: (e.in_flight, e.served)) if free else None
 
     def exhausted(self) -> bool:
-        """No actor is live or starting, and no replica may be replaced any more."""
+        """No actor is live, starting or unavailable, and no replica may be replaced any more."""
         return all(entry.state == "dead" for entry in self.entries) and not any(
             self.restarts[entry.index] < self._max_restarts for entry in self.entries
         )
 
     def evict(self, entry: A, cause: str) -> None:
         """Mark ``entry`` dead (once) and, while the owner's task group runs, schedule its
-        retirement and (budget allowing) its replacement."""
+        retirement and (budget allowing) its replacement. A death that names the actor's node
+        as dead evicts every actor of the set on that node too."""
         if entry.state == "dead":
             return
+        if entry.node_id is not None and node_died(cause):
+            self.lose_node(entry.node_id, cause)
+            return
+        self._evict_one(entry, cause)
+
+    def _evict_one(self, entry: A, cause: str) -> None:
+        if entry.state == "dead":
+            return
+        running = entry.state in ("live", "unavailable")
         entry.state, entry.cause = "dead", cause
         self.evictions += 1
         tasks = self._tasks
         if tasks is not None and not tasks.cancel_scope.cancel_called:
-            replace = self.restarts[entry.index] < self._max_restarts
+            # Only the real death of a running actor spends a restart.
+            replace = running and self.restarts[entry.index] < self._max_restarts
+            if replace:
+                self.restarts[entry.index] += 1
             tasks.start_soon(self._retire, entry, replace)
         self._changed()
+
+    def lose_node(self, node_id: str, cause: str) -> None:
+        """``node_id`` died: evict every current actor on it at once; keep replacements away."""
+        self.dead_nodes.add(node_id)
+        self.judged_nodes.discard(node_id)
+        for entry in list(self.entries):
+            if entry.node_id == node_id and entry.state != "dead":
+                self._evict_one(entry, cause)
+        self._changed()
+
+    def suspect(self, entry: A, cause: str) -> None:
+        """Ray reports ``entry`` unavailable (connection lost): take its node's actors out of
+        rotation and find out, bounded, whether the node (and then each actor) lives."""
+        if entry.state != "live":
+            return  # already judged, dead, or not serving yet
+        node = entry.node_id
+        if node is not None and node in self.dead_nodes:
+            self.lose_node(node, cause)
+            return
+        suspects = [e for e in self.entries if node is not None and e.node_id == node]
+        suspects = [e for e in suspects if e.state == "live"] or [entry]
+        for each in suspects:
+            each.state = "unavailable"
+        entry.cause = cause
+        if node is None or node not in self.judged_nodes:
+            if node is not None:
+                self.judged_nodes.add(node)
+            self._start_judging(node, suspects)
+        self._changed()
+
+    def _start_judging(self, node: str | None, suspects: list[A]) -> None:
+        tasks = self._tasks
+        if tasks is not None and not tasks.cancel_scope.cancel_called:
+            tasks.start_soon(self._judge, node, suspects)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -158,13 +245,13 @@ class ActorSet(Generic[A]):
 
         The first failure is raised; the actors stay in :attr:`entries` for :meth:`stop`.
         """
-        self.entries = [self._spawn(index, 0) for index in range(self._replicas)]
+        self.entries = [self._spawn(index, 0, frozenset()) for index in range(self._replicas)]
         results: list[Any] = [None] * self._replicas
         failures: list[AgentBackendError] = []
 
         async def ready(entry: A) -> None:
             try:
-                results[entry.index] = await self._await_ready(entry)
+                results[entry.index] = await self._ready(entry)
             except AgentBackendError as exc:
                 failures.append(exc)
 
@@ -178,6 +265,12 @@ class ActorSet(Generic[A]):
             entry.state = "live"
             tasks.start_soon(self._watch, entry)
         return results
+
+    async def _ready(self, entry: A) -> Any:
+        result = await self._await_ready(entry)
+        if isinstance(result, dict) and isinstance(result.get("node_id"), str):
+            entry.node_id = result["node_id"]
+        return result
 
     async def stop(self) -> None:
         """Mark every actor dead, kill them all and wait (bounded) until Ray reports each dead.
@@ -195,32 +288,96 @@ class ActorSet(Generic[A]):
             for entry in everyone:
                 with contextlib.suppress(Exception):
                     await entry.sentinel
+        groups = [entry.placement_group for entry in everyone if entry.placement_group is not None]
+        if groups:
+            await anyio.to_thread.run_sync(remove_placement_groups, groups)
 
     # -- faults ----------------------------------------------------------------------------------
 
     async def _watch(self, entry: A) -> None:
         try:
             await entry.sentinel
+        except ray.exceptions.ActorUnavailableError as exc:
+            self.suspect(entry, describe_cause(exc))
         except Exception as exc:
             self.evict(entry, describe_cause(exc))
 
+    async def _judge(self, node: str | None, suspects: list[A]) -> None:
+        """Decide, within ``unavailable_timeout``, whether ``node`` and its ``suspects`` live."""
+        verdict: str | None = None  # None: the node lives (or is not known)
+        with anyio.move_on_after(self._unavailable_timeout):
+            if node is not None:
+                verdict = await self._probe(node)
+                self.judged_nodes.discard(node)  # known alive or dead now
+            if verdict is None:
+                async with anyio.create_task_group() as group:
+                    for entry in suspects:
+                        group.start_soon(self._ask, entry)
+        if node is not None:
+            self.judged_nodes.discard(node)
+        if verdict is not None and node is not None:
+            self.lose_node(node, verdict)
+            return
+        for entry in suspects:
+            if entry.state == "unavailable":
+                self._evict_one(
+                    entry, f"unavailable for {self._unavailable_timeout:g}s: {entry.cause}"
+                )
+        self._changed()
+
+    async def _ask(self, entry: A) -> None:
+        """``entry``'s node lives: the actor is back (live, watched again) or dead (evicted);
+        asked again while Ray still reports it unavailable (the judge's timeout bounds it)."""
+        while entry.state == "unavailable":
+            try:
+                await entry.handle.describe.remote()
+            except ray.exceptions.ActorUnavailableError:
+                await anyio.sleep(_ASK_PAUSE)
+                continue
+            except Exception as exc:
+                self.evict(entry, describe_cause(exc))
+                return
+            entry.state, entry.cause = "live", None
+            entry.sentinel = entry.handle.wait_closed.remote()
+            assert self._tasks is not None
+            self._tasks.start_soon(self._watch, entry)
+            self._changed()
+
     async def _retire(self, entry: A, replace: bool) -> None:
         await anyio.to_thread.run_sync(kill_actors, [entry.handle])
+        if entry.placement_group is not None:
+            await anyio.to_thread.run_sync(remove_placement_groups, [entry.placement_group])
         index = entry.index
-        while replace and self.restarts[index] < self._max_restarts:
-            self.restarts[index] += 1
-            self.replacements += 1
-            new = self._spawn(index, self.restarts[index])
+        attempt = 0
+        while replace:
+            attempt += 1
+            self._generations[index] += 1
+            self.replacements += attempt == 1
+            new = self._spawn(index, self._generations[index], self.avoided())
             self.retired.append(self.entries[index])
             self.entries[index] = new
             self._changed()
             try:
-                await self._await_ready(new)
+                await self._ready(new)
             except AgentBackendError as exc:
                 new.state, new.cause = "dead", str(exc)
                 await anyio.to_thread.run_sync(kill_actors, [new.handle])
+                if new.placement_group is not None:
+                    await anyio.to_thread.run_sync(remove_placement_groups, [new.placement_group])
                 self._changed()
-                await anyio.sleep(min(0.5 * self.restarts[index], _MAX_BACKOFF))
+                if isinstance(exc, ConfigError):
+                    # Its code or runtime_env cannot load there: a real failure, not a race.
+                    if self.restarts[index] >= self._max_restarts:
+                        break
+                    self.restarts[index] += 1
+                # Not placed in time, or died while starting (its node lost before Ray
+                # marked it dead): try again, away from the nodes known dead, at no cost.
+                await anyio.sleep(min(0.5 * attempt, _MAX_BACKOFF))
+                continue
+            if new.node_id in self.dead_nodes:  # placed on a node that died meanwhile
+                new.state, new.cause = "dead", "its node died while it started"
+                await anyio.to_thread.run_sync(kill_actors, [new.handle])
+                self._changed()
                 continue
             new.state = "live"
             assert self._tasks is not None

@@ -49,7 +49,9 @@ class RayActorInfo:
     """``POOL-REPLICA.GENERATION``, as errors name it."""
     ray_name: str
     """The Ray actor's name (``ray.get_actor(ray_name)``, ``ray list actors``)."""
-    state: Literal["starting", "live", "dead"]
+    state: Literal["starting", "live", "unavailable", "dead"]
+    """``unavailable``: Ray lost its connection and has not said yet whether it died (no calls
+    go to it meanwhile)."""
     in_flight: int
     served: int
     pid: int | None
@@ -58,6 +60,8 @@ class RayActorInfo:
     """GPUs Ray granted the actor, as ``ray.get_gpu_ids()`` reported inside it."""
     cause: str | None
     """Why it died; None while it lives."""
+    node_id: str | None = None
+    """The Ray node it runs on (hex id; ``node`` is that node's address)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,7 +79,12 @@ class RayStatistics:
     evictions: int
     """Actors evicted after they died."""
     restarts: int
-    """Replacement actors started."""
+    """Replicas replaced after a real death of their running actor (each counts against
+    ``max_restarts``; a replacement that could not be placed or started and is tried again does not)."""
     payloads: int
     """By-reference results not yet released."""
     closed: bool
+    actors_unavailable: int = 0
+    """Actors out of rotation while Ray decides whether they (or their node) died."""
+    nodes_lost: int = 0
+    """Nodes whose death evicted the pool's actors on them."""

@@ -10,6 +10,7 @@ threads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -22,12 +23,14 @@ import ray
 import ray.exceptions
 
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
+from agent_backend.backends.ray.placement import NodeShape, check_nodes
 from agent_backend.errors import BackendUnavailable, ConfigError, ResourceUnavailable, clip
 
 __all__ = [
     "ACTOR_DEATHS",
     "CAUSE_LIMIT",
     "CONNECTION",
+    "NODE_ID_LABEL",
     "ActorConfig",
     "ConnectConfig",
     "RayConnection",
@@ -38,7 +41,12 @@ __all__ = [
     "describe_when_ready",
     "kill_actors",
     "loopback_only",
+    "node_died",
+    "pool_placement_group",
+    "probe_node",
+    "remove_placement_groups",
     "render_resources",
+    "replica_placement_group",
     "tool_shortage",
 ]
 
@@ -204,15 +212,36 @@ class ActorConfig(Protocol):
     def runtime_env(self) -> dict[str, Any] | None: ...
     @property
     def start_timeout(self) -> float: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def node_labels(self) -> Mapping[str, str]: ...
+    @property
+    def bundles(self) -> Sequence[Mapping[str, float]]: ...
+    @property
+    def bundle_strategy(self) -> str: ...
     def actor_resources(self) -> dict[str, float]: ...
 
 
-def actor_options(config: ActorConfig, ray_name: str, *, control_slots: int) -> dict[str, Any]:
-    """Ray ``.options()`` for one actor of ``config``: its reservation, concurrency, env.
+def actor_options(
+    config: ActorConfig,
+    ray_name: str,
+    *,
+    control_slots: int,
+    avoid_nodes: frozenset[str] = frozenset(),
+    placement_group: Any = None,
+    bundle_index: int = 0,
+) -> dict[str, Any]:
+    """Ray ``.options()`` for one actor of ``config``: its reservation, concurrency, env, place.
 
     ``control_slots`` are concurrency kept beyond ``max_concurrency`` for the
     driver's own calls (describe, the death sentinel, close). Ray never
     restarts the actor: its owner replaces it and keeps serving meanwhile.
+    ``avoid_nodes`` keeps it off nodes known dead or being judged;
+    ``placement_group`` (its own, or the pool's for ``strategy = "pack"``)
+    places it in bundle ``bundle_index``, and what it starts in the group's bundles.
     """
     options: dict[str, Any] = {
         "name": ray_name,
@@ -226,7 +255,61 @@ def actor_options(config: ActorConfig, ray_name: str, *, control_slots: int) -> 
         options["resources"] = dict(config.resources)
     if config.runtime_env is not None:
         options["runtime_env"] = config.runtime_env
+    if placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group,
+            placement_group_bundle_index=bundle_index,
+            placement_group_capture_child_tasks=True,
+        )
+        return options
+    if config.strategy == "spread":
+        options["scheduling_strategy"] = "SPREAD"
+    selector = dict(config.node_labels)
+    if avoid_nodes:
+        ids = sorted(avoid_nodes)
+        selector[NODE_ID_LABEL] = f"!{ids[0]}" if len(ids) == 1 else f"!in({', '.join(ids)})"
+    if selector:
+        options["label_selector"] = selector
     return options
+
+
+#: The label Ray gives every node: its id.
+NODE_ID_LABEL: Final = "ray.io/node-id"
+
+
+def pool_placement_group(config: ActorConfig) -> Any:
+    """The pool-wide placement group of ``strategy = "pack"`` (one bundle per replica, Ray's
+    ``PACK``), or None. Blocking (an RPC); Ray moves its bundles off a node that dies."""
+    if config.strategy != "pack":
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundle = config.actor_resources() or {"CPU": 0.001}
+    return placement_group(
+        [dict(bundle) for _ in range(config.replicas)],
+        strategy="PACK",
+        bundle_label_selector=[dict(config.node_labels)] * config.replicas
+        if config.node_labels
+        else None,
+    )
+
+
+def replica_placement_group(config: ActorConfig) -> Any:
+    """A replica's own placement group (``bundles``), or None. Blocking (an RPC)."""
+    if not config.bundles:
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundles = [dict(bundle) for bundle in config.bundles]
+    return placement_group(
+        bundles,
+        strategy=config.bundle_strategy.upper(),
+        bundle_label_selector=[dict(config.node_labels)] * len(bundles)
+        if config.node_labels
+        else None,
+    )
 
 
 async def describe_when_ready(handle: Any, *, label: str, config: ActorConfig) -> Any:
@@ -271,23 +354,9 @@ def render_resources(resources: Mapping[str, float]) -> str:
     )
 
 
-def check_cluster(config: RayPoolConfig, total: Mapping[str, float]) -> None:
-    """Refuse, at start, actors that the whole cluster (``total``) could never hold."""
-    if config.autoscaling:
-        return
-    per_actor = config.actor_resources()
-    needed = {name: amount * config.replicas for name, amount in per_actor.items()}
-    short = {name for name, amount in needed.items() if total.get(name, 0.0) + 1e-9 < amount}
-    if short:
-        raise ResourceUnavailable(
-            f"pool {config.name!r} needs {render_resources(needed)} for {config.replicas} "
-            f"actor(s) of {render_resources(per_actor)}, but the cluster has "
-            f"{render_resources({name: total.get(name, 0.0) for name in sorted(needed)})} "
-            "(set autoscaling = true if nodes are added on demand)",
-            needed=needed,
-            available={name: float(total.get(name, 0.0)) for name in needed},
-            backend="ray",
-        )
+def check_cluster(config: RayPoolConfig, nodes: Sequence[NodeShape]) -> None:
+    """Refuse, at start, replicas that the alive ``nodes`` could never hold (one by one)."""
+    check_nodes(config, nodes)
 
 
 def tool_shortage(
@@ -305,3 +374,53 @@ def tool_shortage(
         available=held,
         backend="ray",
     )
+
+
+# -- nodes as failure domains -------------------------------------------------------------------
+
+#: What Ray's death messages say when an actor died with its node.
+_NODE_DEATH_MARKERS: Final = ("its node has died", "NodeDiedError", "node was terminated")
+
+
+def node_died(cause: str) -> bool:
+    """True when an actor's death cause (:func:`describe_cause`) says its node died."""
+    return any(marker in cause for marker in _NODE_DEATH_MARKERS)
+
+
+def _node_probe() -> None:
+    """Runs on the probed node: that it ran is the answer."""
+
+
+@functools.cache
+def _probe_task() -> Any:
+    return ray.remote(num_cpus=0, max_retries=0)(_node_probe)
+
+
+async def probe_node(node_id: str) -> str | None:
+    """Whether the node ``node_id`` lives: None once a task pinned to it ran; Ray's reason
+    when it cannot run there (the node died: Ray says so once it has marked it dead). Not
+    bounded here: bound it with a cancel scope (a node that is hung, not dead, never answers)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+    ref = _probe_task().options(scheduling_strategy=strategy).remote()
+    try:
+        await ref
+    except ray.exceptions.RayError as exc:
+        return f"its node has died ({describe_cause(exc)})"
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+        raise
+    return None
+
+
+def remove_placement_groups(groups: Sequence[Any]) -> None:
+    """Remove placement groups (blocking; errors ignored: they may be gone with their node)."""
+    if not ray.is_initialized():
+        return
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups:
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)

@@ -29,10 +29,18 @@ from typing import Any, Generic, Literal, Self, TypeVar
 import anyio
 import anyio.abc
 import anyio.to_thread
+import ray.exceptions
 
 from agent_backend.backends.ray.config import RayPoolConfig
 from agent_backend.backends.ray.replicas import ActorSet, Replica
-from agent_backend.backends.ray.runtime import CONNECTION, connect
+from agent_backend.backends.ray.runtime import (
+    CONNECTION,
+    connect,
+    describe_cause,
+    pool_placement_group,
+    remove_placement_groups,
+    replica_placement_group,
+)
 from agent_backend.errors import AgentBackendError, BackendUnavailable, PoolClosed, PoolError
 from agent_backend.lifecycle import AsyncResource
 
@@ -85,11 +93,14 @@ class ActorSupervisor(AsyncResource, Generic[A]):
             replicas=config.replicas,
             max_restarts=config.max_restarts,
             max_concurrency=config.max_concurrency,
-            spawn=self._spawn,
+            spawn=self._spawn_placed,
             await_ready=self._await_ready,
             changed=self._dispatch_waiters,
             closed_cause=closed_cause,
+            unavailable_timeout=config.unavailable_timeout,
         )
+        self._pool_group: Any = None
+        """The pool-wide placement group of ``strategy = "pack"``."""
         self._waiters: collections.deque[_Waiter[A]] = collections.deque()
         self._changed = anyio.Event()
         """Set (and replaced) at every change of an actor's state, a slot or the queue."""
@@ -97,7 +108,21 @@ class ActorSupervisor(AsyncResource, Generic[A]):
     # -- what a subclass says ----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _spawn(self, index: int, generation: int) -> A: ...
+    def _spawn(self, index: int, generation: int, placement: dict[str, Any]) -> A:
+        """Create replica ``index``'s actor with ``actor_options(..., **placement)``."""
+
+    def _spawn_placed(self, index: int, generation: int, avoid: frozenset[str]) -> A:
+        """Where the actor goes (its own placement group, the pool's, or away from ``avoid``),
+        then :meth:`_spawn`."""
+        group = None
+        if self._pool_group is not None:
+            placement: dict[str, Any] = {"placement_group": self._pool_group, "bundle_index": index}
+        else:
+            group = replica_placement_group(self.config)
+            placement = {"placement_group": group} if group is not None else {"avoid_nodes": avoid}
+        actor = self._spawn(index, generation, placement)
+        actor.placement_group = group
+        return actor
 
     @abc.abstractmethod
     async def _await_ready(self, actor: A) -> Any: ...
@@ -145,6 +170,7 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         try:
             await anyio.to_thread.run_sync(self._connect)
             await self._prepare()
+            self._pool_group = await anyio.to_thread.run_sync(pool_placement_group, self.config)
             self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
             self._started(await self._actors.start(self._tasks))
         except BaseException:
@@ -176,6 +202,9 @@ class ActorSupervisor(AsyncResource, Generic[A]):
                 try:
                     await self._wind_down()
                     await self._actors.stop()
+                    if self._pool_group is not None:
+                        group, self._pool_group = self._pool_group, None
+                        await anyio.to_thread.run_sync(remove_placement_groups, [group])
                     if self._owns_ray:
                         self._owns_ray = False
                         await anyio.to_thread.run_sync(CONNECTION.close)
@@ -252,6 +281,16 @@ class ActorSupervisor(AsyncResource, Generic[A]):
 
     def _evict(self, actor: A, cause: str) -> None:
         self._actors.evict(actor, cause)
+
+    def _lose(self, actor: A, exc: BaseException) -> str:
+        """``actor`` failed a call with one of ``ACTOR_DEATHS``: evicted, or (Ray reports it
+        only unavailable) out of rotation with its node's actors until Ray says more; the cause."""
+        cause = describe_cause(exc)
+        if isinstance(exc, ray.exceptions.ActorUnavailableError):
+            self._actors.suspect(actor, cause)
+        else:
+            self._actors.evict(actor, cause)
+        return cause
 
     def _dispatch_waiters(self) -> None:
         """Hand free slots to queued callers in FIFO order, or fail them all when no actor will

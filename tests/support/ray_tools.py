@@ -199,3 +199,28 @@ def crash() -> None:
 def getenv(name: str) -> str | None:
     """An environment variable as the actor sees it (runtime_env ``env_vars``)."""
     return os.environ.get(name)
+
+
+async def node_hold(seconds: float) -> dict[str, Any]:
+    """Sleep ``seconds`` (a call in flight while a node is killed); the node it ran on."""
+    await asyncio.sleep(seconds)
+    return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+def _child_gpu() -> dict[str, Any]:
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+    }
+
+
+async def group_gpus() -> dict[str, Any]:
+    """Where this actor runs and where a 1-GPU task it starts lands (its placement group's
+    second bundle, when it has one)."""
+    child = await _child_gpu.remote()
+    return {
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
+        "child": child,
+    }

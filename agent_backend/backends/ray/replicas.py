@@ -200,6 +200,7 @@ class ActorSet(Generic[A]):
             replace = running and self.restarts[entry.index] < self._max_restarts
             if replace:
                 self.restarts[entry.index] += 1
+                self.replacements += 1
             tasks.start_soon(self._retire, entry, replace)
         self._changed()
 
@@ -352,7 +353,6 @@ class ActorSet(Generic[A]):
         while replace:
             attempt += 1
             self._generations[index] += 1
-            self.replacements += attempt == 1
             new = self._spawn(index, self._generations[index], self.avoided())
             self.retired.append(self.entries[index])
             self.entries[index] = new

@@ -224,7 +224,8 @@ async def main(sizes: list[int], calls: int) -> int:
         small_calls = await overhead(producers, calls)
 
     print()
-    print("hand-off of a NumPy array from the producer actor to a consumer actor")
+    print("same-node hand-off of a NumPy array from the producer actor to a consumer actor")
+    print("(cross-node hand-offs: bench/ray_nodes_bench.py)")
     header = (
         f"{'size':>7} {'by ref':>9} {'via driver':>11} {'speedup':>8} "
         f"{'RSS by ref':>11} {'RSS via driver':>15} {'checksums':>10} {'produce':>8}"
@@ -283,15 +284,15 @@ async def main(sizes: list[int], calls: int) -> int:
     checks.append((f"nothing spilled ({spilled} bytes)", spilled == 0))
     checks.append(
         (
-            f"small-call overhead <= 1.3x a direct actor call ({small_calls['ratio']:.2f}x)",
-            small_calls["ratio"] <= 1.3,
+            f"small-call overhead <= 1.1x a direct actor call ({small_calls['ratio']:.2f}x)",
+            small_calls["ratio"] <= 1.1,
         )
     )
     checks.append(
         (
-            "small-call overhead through the Dispatcher <= 1.3x a direct actor call "
+            "small-call overhead through the Dispatcher <= 1.1x a direct actor call "
             f"({small_calls['dispatcher_ratio']:.2f}x)",
-            small_calls["dispatcher_ratio"] <= 1.3,
+            small_calls["dispatcher_ratio"] <= 1.1,
         )
     )
     for text, ok in checks:

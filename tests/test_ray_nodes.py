@@ -154,6 +154,22 @@ async def test_placement_by_labels_and_by_placement_group(three: dict[str, str])
         assert where["node_id"] == three["two"]
         assert where["child"]["node_id"] == where["node_id"]
         assert sorted([*where["gpu_ids"], *where["child"]["gpu_ids"]]) == ["0", "1"]
+        assert len(_live_groups()) == 1
+    packed = pool_config("support.ray_tools:node_hold", replicas=3, num_cpus=0.5, strategy="pack")
+    async with RayBackend.from_config(packed) as pool:
+        assert len({a.node_id for a in pool.actors()}) == 1  # 1.5 CPUs fit on one node
+        assert len(_live_groups()) == 1  # the pool's
+    assert _live_groups() == []  # every group is removed with its pool
+
+
+def _live_groups() -> list[str]:
+    from ray.util import placement_group_table
+
+    return [
+        group_id
+        for group_id, group in placement_group_table().items()
+        if group["state"] != "REMOVED"
+    ]
 
 
 # Tests that kill nodes come last (pytest runs a module in file order).

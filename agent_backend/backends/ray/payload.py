@@ -115,12 +115,17 @@ def _torch_uint8() -> Any:
     return sys.modules["torch"].uint8
 
 
+_SCALARS: Final = frozenset({int, float, bool, type(None)})
+
+
 def payload_size(value: Any, depth: int = 0) -> int:
     """Bytes of array, tensor, bytes and string data in ``value`` (containers summed).
 
     Cheap: sizes come from ``nbytes``/``len`` without touching the data. Any
     other object counts as 0 and is returned inline.
     """
+    if type(value) in _SCALARS:  # the common small result: no type lookups
+        return 0
     if isinstance(value, (bytes, bytearray, memoryview)):
         return value.nbytes if isinstance(value, memoryview) else len(value)
     if isinstance(value, str):

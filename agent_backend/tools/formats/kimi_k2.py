@@ -46,8 +46,8 @@ def _call(body: str, index: int) -> ToolCall:
     base, colon, number = header.rpartition(":")
     if not colon or not number.isdigit():
         base = header
-    name = base.removeprefix("functions.")
-    call_id = header if colon and number.isdigit() else ""
+    name = "" if base.isdigit() else base.removeprefix("functions.")  # a bare counter: no name
+    call_id = header if (colon and number.isdigit()) or header.isdigit() else ""
     if not sep:
         error = f"the tool call has no {ARGUMENT_BEGIN} (cut off, or malformed)"
         return error_call(

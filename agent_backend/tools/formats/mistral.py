@@ -110,7 +110,7 @@ def parse(text: str) -> tuple[str, list[ToolCall]]:
         following = text.find(TOOL_CALLS, start)
         stop = following if following >= 0 else len(text)
         start = _skip_space(text, start, stop)
-        if start < stop and text[start] in "[{":
+        if start < stop and text[start] in "[{" and not text.startswith((ARGS, CALL_ID), start):
             pos = _list_form(text, start, stop, calls)
         elif start >= stop:
             calls.append(error_call(len(calls), "mistral", f"{TOOL_CALLS} with no call after it"))

@@ -103,9 +103,13 @@ def _block(body: str, first_index: int, tools: ToolSchemas | None, closed: bool)
     """The calls of one ``<tool_call>`` block (normally one ``<function=``)."""
     calls: list[ToolCall] = []
     pos = 0
+    complete = (
+        False  # the last call's </function> arrived, and nothing but a cut-off close after it
+    )
     while True:
         pos = _SPACE.match(body, pos).end()  # type: ignore[union-attr]
-        if pos >= len(body):
+        if pos >= len(body) or (not closed and calls and CLOSE.startswith(body[pos:])):
+            complete = bool(calls) and calls[-1].error is None
             break
         index = first_index + len(calls)
         if not body.startswith(FUNCTION, pos):
@@ -119,12 +123,10 @@ def _block(body: str, first_index: int, tools: ToolSchemas | None, closed: bool)
         pos = end
     if not calls:
         calls.append(error_call(first_index, "qwen3_coder", f"an empty {OPEN} block"))
-    if not closed:
-        # Unclosed: only calls whose </function> arrived count (a stop on </tool_call> cuts it).
+    if not closed and not complete:
+        # Unclosed: only a call whose </function> arrived counts (a stop on </tool_call> cuts it).
         last = calls[-1]
-        if last.error is None and body.rstrip().endswith(FUNCTION_END):
-            return calls
-        error = f"unclosed {OPEN} block (no {CLOSE})"
+        error = f"unclosed {OPEN} block (no {FUNCTION_END} and {CLOSE})"
         calls[-1] = error_call(first_index + len(calls) - 1, "qwen3_coder", error, name=last.name)
     return calls
 

@@ -105,17 +105,33 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-# orjson turns integers beyond 64 bits into floats, silently losing digits;
-# text with such a digit run (even inside a string: harmless) takes the
-# exact standard-library parser instead.
-_LONG_DIGITS = re.compile(r"\d{19}")
+# orjson turns integers beyond 64 bits into floats, silently losing digits:
+# a value with a float in it, from text with such a digit run (even inside a
+# string: harmless), is read again by the exact standard-library parser.
+# (Looking for floats first: searching every text for digit runs costs ten
+# times the parse.)
+_LONG_DIGITS = re.compile(r"[0-9]{19}")
 _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
+def _has_float(value: object) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def load_json(text: str) -> Any:
     """Exactly one JSON value, integers exact; NaN and Infinity refused (``ValueError``)."""
-    if _LONG_DIGITS.search(text) is None:
-        return orjson.loads(text)
+    value = orjson.loads(text)
+    if not _has_float(value) or _LONG_DIGITS.search(text) is None:
+        return value
     try:
         return json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:

@@ -25,7 +25,7 @@ from typing import Any
 
 from agent_backend.tools.formats._base import load_json
 
-__all__ = ["convert", "schema_types"]
+__all__ = ["convert", "property_types", "schema_types"]
 
 _NOTHING = object()
 
@@ -105,13 +105,17 @@ def _read_as(text: str, kind: str) -> Any:
 _ORDER = ("null", "integer", "number", "boolean", "object", "array")
 
 
-def convert(text: str, schema: object, *, untyped: str) -> Any:
-    """The value of bare ``text`` for a parameter with ``schema`` (None: no schema).
+def property_types(properties: Mapping[str, Any] | None) -> dict[str, set[str] | None]:
+    """The types of each parameter of a tool's ``properties`` (see :func:`schema_types`)."""
+    return {key: schema_types(schema) for key, schema in (properties or {}).items()}
+
+
+def convert(text: str, types: set[str] | None, *, untyped: str) -> Any:
+    """The value of bare ``text`` for a parameter of ``types`` (None: no schema for it).
 
     ``untyped`` is what a parameter without a schema gets: ``"json"`` (JSON
     when the text is JSON) or ``"string"``.
     """
-    types = schema_types(schema)
     if types is None:
         if untyped == "json":
             value = _json(text.strip())

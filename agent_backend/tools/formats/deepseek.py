@@ -11,7 +11,6 @@ yields its closed calls.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from agent_backend.tools.formats._base import (
@@ -33,7 +32,17 @@ CALL_BEGIN = "<\uff5ctool\u2581call\u2581begin\uff5c>"
 CALL_END = "<\uff5ctool\u2581call\u2581end\uff5c>"
 SEP = "<\uff5ctool\u2581sep\uff5c>"
 
-_FENCE = re.compile(r"\A\s*```[A-Za-z]*[ \t]*\n(.*)\n[ \t]*```\s*\Z", re.DOTALL)
+
+def _unfence(text: str) -> str | None:
+    """The inside of a ```json fence (its language tag optional), or None."""
+    text = text.strip()
+    if not text.startswith("```") or not text.endswith("```") or len(text) < 6:
+        return None
+    first_line = text.find("\n")
+    language = text[3:first_line].strip() if first_line >= 0 else ""
+    if first_line < 0 or (language and not language.isalpha()):
+        return None
+    return text[first_line + 1 : -3]
 
 
 def _call(body: str, index: int) -> ToolCall:
@@ -47,12 +56,12 @@ def _call(body: str, index: int) -> ToolCall:
         name = name.strip()
         if not newline:
             return error_call(index, "deepseek", "the tool call has no arguments", name=name)
-        fenced = _FENCE.match(rest)
+        fenced = _unfence(rest)
         if fenced is None:
             return error_call(
                 index, "deepseek", "the arguments are not in a ```json fence", name=name
             )
-        return json_arguments(fenced.group(1), index, "deepseek", name, what=repr(name))
+        return json_arguments(fenced, index, "deepseek", name, what=repr(name))
     return json_arguments(tail, index, "deepseek", head, what=repr(head))
 
 

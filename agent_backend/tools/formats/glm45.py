@@ -23,7 +23,7 @@ from agent_backend.tools.formats._base import (
     dump_json,
     error_call,
 )
-from agent_backend.tools.formats._values import convert
+from agent_backend.tools.formats._values import convert, property_types
 
 __all__ = ["CLOSE", "OPEN", "parse", "render"]
 
@@ -34,19 +34,28 @@ VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 _SPACE = re.compile(r"\s*")
 
 
-def _properties(tools: ToolSchemas | None, name: str) -> Mapping[str, Any] | None:
-    schema = tools.get(name) if tools else None
-    properties = schema.get("properties") if isinstance(schema, Mapping) else None
-    return properties if isinstance(properties, Mapping) else None
+# Parameter types by tool name, worked out once per parse.
+_Types = dict[str, dict[str, "set[str] | None"]]
 
 
-def _call(body: str, index: int, tools: ToolSchemas | None) -> ToolCall:
+def _types(tools: ToolSchemas | None, name: str, cache: _Types) -> dict[str, set[str] | None]:
+    types = cache.get(name)
+    if types is None:
+        schema = tools.get(name) if tools else None
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        types = cache[name] = property_types(
+            properties if isinstance(properties, Mapping) else None
+        )
+    return types
+
+
+def _call(body: str, index: int, tools: ToolSchemas | None, cache: _Types) -> ToolCall:
     first = body.find(KEY_OPEN)
     name = (body if first < 0 else body[:first]).strip()
     if not name or "<" in name or "\n" in name:
         error = "the tool call has no name" if not name else "the tool call's name is malformed"
         return error_call(index, "glm45", error)
-    properties = _properties(tools, name)
+    types = _types(tools, name, cache)
     arguments: dict[str, Any] = {}
     pos, size = (first if first >= 0 else len(body)), len(body)
     while True:
@@ -75,8 +84,7 @@ def _call(body: str, index: int, tools: ToolSchemas | None) -> ToolCall:
             return error_call(index, "glm45", "an argument with an empty key", name=name)
         if key in arguments:
             return error_call(index, "glm45", f"the argument {key!r} is given twice", name=name)
-        schema = properties.get(key) if properties is not None else None
-        arguments[key] = convert(body[value_start:value_end], schema, untyped="json")
+        arguments[key] = convert(body[value_start:value_end], types.get(key), untyped="json")
         pos = value_end + len(VALUE_CLOSE)
     return ToolCall(f"call_{index}", name, arguments, "glm45")
 
@@ -85,6 +93,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
     """``(prose, calls)`` of a GLM-4.5 reply; ``tools`` (name to parameters schema) type the values."""
     prose: list[str] = []
     calls: list[ToolCall] = []
+    cache: _Types = {}
     pos = 0
     more = False
     for block in blocks(text, OPEN, CLOSE):
@@ -93,7 +102,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
         if len(calls) >= MAX_CALLS:
             more = True
             break
-        call = _call(text[block.body_start : block.body_end], len(calls), tools)
+        call = _call(text[block.body_start : block.body_end], len(calls), tools, cache)
         if block.ending != "closed":
             where = "the next call" if block.ending == "next" else "the end of the message"
             call = error_call(

@@ -25,7 +25,7 @@ from agent_backend.tools.formats._base import (
     dump_json,
     error_call,
 )
-from agent_backend.tools.formats._values import convert
+from agent_backend.tools.formats._values import convert, property_types
 
 __all__ = ["CLOSE", "OPEN", "parse", "render"]
 
@@ -36,10 +36,19 @@ PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 _SPACE = re.compile(r"\s*")
 
 
-def _properties(tools: ToolSchemas | None, name: str) -> Mapping[str, Any] | None:
-    schema = tools.get(name) if tools else None
-    properties = schema.get("properties") if isinstance(schema, Mapping) else None
-    return properties if isinstance(properties, Mapping) else None
+# Parameter types by tool name, worked out once per parse.
+_Types = dict[str, dict[str, "set[str] | None"]]
+
+
+def _types(tools: ToolSchemas | None, name: str, cache: _Types) -> dict[str, set[str] | None]:
+    types = cache.get(name)
+    if types is None:
+        schema = tools.get(name) if tools else None
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        types = cache[name] = property_types(
+            properties if isinstance(properties, Mapping) else None
+        )
+    return types
 
 
 def _trim(value: str) -> str:
@@ -51,7 +60,9 @@ def _trim(value: str) -> str:
     return value
 
 
-def _function(body: str, pos: int, index: int, tools: ToolSchemas | None) -> tuple[ToolCall, int]:
+def _function(
+    body: str, pos: int, index: int, tools: ToolSchemas | None, cache: _Types
+) -> tuple[ToolCall, int]:
     """The ``<function=...>`` at ``body[pos]``: its call, and where it ended (-1: not closed)."""
     name_end = body.find(">", pos)
     end = body.find(FUNCTION_END, pos)
@@ -63,7 +74,7 @@ def _function(body: str, pos: int, index: int, tools: ToolSchemas | None) -> tup
         return error_call(index, "qwen3_coder", error, name=name if "<" not in name else ""), -1
     if not name or "<" in name:
         return error_call(index, "qwen3_coder", "the tool call has no name"), end
-    properties = _properties(tools, name)
+    types = _types(tools, name, cache)
     arguments: dict[str, Any] = {}
     at = name_end + 1
     while True:
@@ -94,12 +105,15 @@ def _function(body: str, pos: int, index: int, tools: ToolSchemas | None) -> tup
             return error_call(
                 index, "qwen3_coder", f"the parameter {key!r} is given twice", name=name
             ), end
-        schema = properties.get(key) if properties is not None else None
-        arguments[key] = convert(_trim(body[value_start:value_end]), schema, untyped="string")
+        arguments[key] = convert(
+            _trim(body[value_start:value_end]), types.get(key), untyped="string"
+        )
     return ToolCall(f"call_{index}", name, arguments, "qwen3_coder"), end + len(FUNCTION_END)
 
 
-def _block(body: str, first_index: int, tools: ToolSchemas | None, closed: bool) -> list[ToolCall]:
+def _block(
+    body: str, first_index: int, tools: ToolSchemas | None, cache: _Types, closed: bool
+) -> list[ToolCall]:
     """The calls of one ``<tool_call>`` block (normally one ``<function=``)."""
     calls: list[ToolCall] = []
     pos = 0
@@ -116,7 +130,7 @@ def _block(body: str, first_index: int, tools: ToolSchemas | None, closed: bool)
             error = f"unexpected text in a {OPEN} block where {FUNCTION} was expected"
             calls.append(error_call(index, "qwen3_coder", error))
             break
-        call, end = _function(body, pos, index, tools)
+        call, end = _function(body, pos, index, tools, cache)
         calls.append(call)
         if end < 0:
             break
@@ -135,6 +149,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
     """``(prose, calls)`` of a Qwen3-Coder reply; ``tools`` (name to parameters schema) type the values."""
     prose: list[str] = []
     calls: list[ToolCall] = []
+    cache: _Types = {}
     pos = 0
     more = False
     for block in blocks(text, OPEN, CLOSE):
@@ -144,7 +159,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
             more = True
             break
         body = text[block.body_start : block.body_end]
-        calls.extend(_block(body, len(calls), tools, block.ending == "closed"))
+        calls.extend(_block(body, len(calls), tools, cache, block.ending == "closed"))
     else:
         prose.append(text[pos:])
     return "".join(prose).strip(), capped(calls, "qwen3_coder", more=more)

@@ -115,15 +115,20 @@ _DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def _has_float(value: object) -> bool:
-    stack = [value]
+    kind = type(value)
+    if kind is float:
+        return True
+    if kind is not dict and kind is not list:
+        return False
+    stack: list[Any] = [value]
     while stack:
         item = stack.pop()
-        if isinstance(item, float):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
+        for inner in item.values() if type(item) is dict else item:
+            kind = type(inner)
+            if kind is float:
+                return True
+            if kind is dict or kind is list:
+                stack.append(inner)
     return False
 
 

@@ -31,7 +31,8 @@ OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
-_SPACE = re.compile(r"\s*")
+# Whitespace, and the literal "\n" some GLM outputs carry instead of newlines (SGLang reads both).
+_SPACE = re.compile(r"(?:\s|\\n)*")
 
 
 # Parameter types by tool name, worked out once per parse.
@@ -51,7 +52,7 @@ def _types(tools: ToolSchemas | None, name: str, cache: _Types) -> dict[str, set
 
 def _call(body: str, index: int, tools: ToolSchemas | None, cache: _Types) -> ToolCall:
     first = body.find(KEY_OPEN)
-    name = (body if first < 0 else body[:first]).strip()
+    name = (body if first < 0 else body[:first]).strip().removesuffix("\\n").strip()
     if not name or "<" in name or "\n" in name:
         error = "the tool call has no name" if not name else "the tool call's name is malformed"
         return error_call(index, "glm45", error)
@@ -72,7 +73,7 @@ def _call(body: str, index: int, tools: ToolSchemas | None, cache: _Types) -> To
                 index, "glm45", f"an {KEY_OPEN} without its {KEY_CLOSE} and {VALUE_OPEN}", name=name
             )
         key = body[pos + len(KEY_OPEN) : key_end].strip()
-        if body[key_end + len(KEY_CLOSE) : value_open].strip():
+        if _SPACE.fullmatch(body, key_end + len(KEY_CLOSE), value_open) is None:
             return error_call(
                 index, "glm45", f"text between {KEY_CLOSE} and {VALUE_OPEN}", name=name
             )

@@ -46,7 +46,10 @@ if _typing.TYPE_CHECKING:
         Tool,
         ToolCall,
         ToolRegistry,
+        detect_call_format,
+        from_text,
         parse_tool_calls,
+        render_tool_calls,
         tool_from_function,
     )
 
@@ -83,9 +86,12 @@ __all__ = [
     "WorkerLost",
     "__version__",
     "compile_schema",
+    "detect_call_format",
+    "from_text",
     "load_pool",
     "parse_tool_calls",
     "prepare_arguments",
+    "render_tool_calls",
     "resolve_local_refs",
     "resolve_schema",
     "tool_from_function",
@@ -111,6 +117,9 @@ _HOME = {
     "ToolCall": "tools",
     "ToolRegistry": "tools",
     "parse_tool_calls": "tools",
+    "from_text": "tools",
+    "render_tool_calls": "tools",
+    "detect_call_format": "tools",
     "tool_from_function": "tools",
 }
 

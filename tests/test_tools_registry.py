@@ -368,5 +368,5 @@ def test_public_names_are_exported() -> None:
     for name in tools_pkg.__all__:
         assert hasattr(tools_pkg, name), name
     public = {n for n in dir(tools_pkg) if not n.startswith("_")}
-    modules = {"calls", "export", "functions", "invoke", "legacy", "registry", "tool"}
+    modules = {"calls", "export", "formats", "functions", "invoke", "legacy", "registry", "tool"}
     assert public - modules == set(tools_pkg.__all__)

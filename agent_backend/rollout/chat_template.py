@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, get_args
 
 from agent_backend.errors import PolicyError, clip
-from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
+from agent_backend.tools import TextFormat, ToolCall, detect_call_format, from_text
 
 __all__ = ["ChatTemplate"]
 
@@ -56,6 +56,7 @@ class ChatTemplate:
         *,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         end_of_turn: str | None = None,
+        call_format: TextFormat | None = None,
     ) -> None:
         """
         Args:
@@ -64,6 +65,10 @@ class ChatTemplate:
                 (e.g. ``{"enable_thinking": False}``).
             end_of_turn: the text of the token that ends an assistant turn
                 (default: the tokenizer's eos token, ``<|im_end|>`` for ChatML models).
+            call_format: the text format the model writes tool calls in
+                (:data:`~agent_backend.tools.TextFormat`); default: the one its chat
+                template uses (:func:`~agent_backend.tools.detect_call_format`), else
+                ``"hermes"``.
         """
         for method in ("apply_chat_template", "encode", "decode"):
             if not callable(getattr(tokenizer, method, None)):
@@ -79,12 +84,16 @@ class ChatTemplate:
             raise ValueError(f"end_of_turn {eot!r} is {len(ids)} tokens, not one")
         self.end_of_turn_id: int = ids[0]
         self._bases: dict[str, tuple[str, str]] = {}
+        if call_format is not None and call_format not in get_args(TextFormat):
+            raise ValueError(f"unknown call_format {call_format!r}: one of {get_args(TextFormat)}")
+        self.call_format: TextFormat = call_format or detect_call_format(tokenizer) or "hermes"
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, **kwargs: Any) -> ChatTemplate:
         """The chat template of a model: a local folder or an installed model name (transformers)."""
         template_kwargs = kwargs.pop("chat_template_kwargs", None)
         end_of_turn = kwargs.pop("end_of_turn", None)
+        call_format = kwargs.pop("call_format", None)
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
@@ -92,11 +101,19 @@ class ChatTemplate:
                 "ChatTemplate.from_pretrained needs transformers: pip install 'agent-backend[tokens]'"
             ) from exc
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-        return cls(tokenizer, chat_template_kwargs=template_kwargs, end_of_turn=end_of_turn)
+        return cls(
+            tokenizer,
+            chat_template_kwargs=template_kwargs,
+            end_of_turn=end_of_turn,
+            call_format=call_format,
+        )
 
     def __repr__(self) -> str:
         name = getattr(self.tokenizer, "name_or_path", type(self.tokenizer).__name__)
-        return f"<ChatTemplate {name!s} end_of_turn={self.end_of_turn!r}>"
+        return (
+            f"<ChatTemplate {name!s} end_of_turn={self.end_of_turn!r} "
+            f"call_format={self.call_format!r}>"
+        )
 
     # -- tokens -----------------------------------------------------------------------------------
 
@@ -199,17 +216,18 @@ class ChatTemplate:
 
         The text is decoded with special tokens kept (``<tool_call>`` is often
         one), the end-of-turn token cut off; calls are located by the tool-call
-        layer (Hermes ``<tool_call>`` blocks). The message carries the prose and
+        layer in :attr:`call_format`. The message carries the prose and
         the calls in OpenAI form, so the recorded conversation reads like a chat
         endpoint's (the tokens, not the message, are what was sampled).
         """
         text = str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=False))
         if text.endswith(self.end_of_turn):
             text = text[: -len(self.end_of_turn)]
-        calls = parse_tool_calls({"role": "assistant", "content": text})
-        prose = from_hermes(text)[0] if "<tool_call>" in text else text
+        prose, calls = from_text(text, format=self.call_format)
+        if not calls and self.call_format != "harmony":
+            prose = text  # nothing was cut out (harmony's prose is its final channel)
         # As a chat endpoint with a tool parser answers: the prose, and the calls apart.
-        message: dict[str, Any] = {"role": "assistant", "content": prose if calls else text}
+        message: dict[str, Any] = {"role": "assistant", "content": prose}
         if calls:
             message["tool_calls"] = [
                 {

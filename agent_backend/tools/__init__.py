@@ -23,6 +23,12 @@ from agent_backend.tools.export import (
     tool_from_definition,
     wire_name,
 )
+from agent_backend.tools.formats import (
+    TextFormat,
+    detect_call_format,
+    from_text,
+    render_tool_calls,
+)
 from agent_backend.tools.functions import parse_docstring, tool_from_function
 from agent_backend.tools.invoke import call_function, is_async_callable, run_prepared
 from agent_backend.tools.legacy import normalize_legacy_types
@@ -34,19 +40,23 @@ __all__ = [
     "POOL_KEY",
     "CallFormat",
     "PreparedCall",
+    "TextFormat",
     "Tool",
     "ToolCall",
     "ToolRegistry",
     "call_function",
+    "detect_call_format",
     "from_anthropic",
     "from_hermes",
     "from_mcp",
     "from_openai",
+    "from_text",
     "is_async_callable",
     "load_tool_file",
     "normalize_legacy_types",
     "parse_docstring",
     "parse_tool_calls",
+    "render_tool_calls",
     "run_prepared",
     "to_anthropic",
     "to_mcp",

@@ -1,8 +1,10 @@
-"""Locate the tool calls in model output, in any of the four formats, as :class:`ToolCall`.
+"""Locate the tool calls in model output, in any format, as :class:`ToolCall`.
 
 Formats: OpenAI chat ``tool_calls`` (and the legacy ``function_call``),
-Anthropic ``tool_use`` content blocks, Hermes/Qwen ``<tool_call>`` tags in
-text, and MCP ``tools/call`` params. :func:`parse_tool_calls` detects which.
+Anthropic ``tool_use`` content blocks, MCP ``tools/call`` params, and text:
+Hermes/Qwen ``<tool_call>`` tags by default, or any family of
+:mod:`agent_backend.tools.formats` named with ``format=``.
+:func:`parse_tool_calls` detects which structured shape it was given.
 
 This module only *locates* calls: arguments stay raw (the JSON text or the
 mapping the model produced) for :meth:`Tool.prepare` to parse and check. It
@@ -14,15 +16,19 @@ input and the number of calls per message is capped, so a 10 MB reply cannot cos
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
-
-import orjson
+from typing import Any
 
 from agent_backend.errors import clip
+from agent_backend.tools.formats import from_text
+from agent_backend.tools.formats._base import (
+    MAX_CALLS,
+    CallFormat,
+    TextFormat,
+    ToolCall,
+    overflow,
+)
+from agent_backend.tools.formats.hermes import parse as _parse_hermes
 
 __all__ = [
     "MAX_CALLS",
@@ -34,34 +40,6 @@ __all__ = [
     "from_openai",
     "parse_tool_calls",
 ]
-
-CallFormat = Literal["openai", "anthropic", "hermes", "mcp"]
-
-#: Most calls read from one message; the rest become one call with ``error`` set.
-MAX_CALLS = 128
-
-HERMES_OPEN = "<tool_call>"
-HERMES_CLOSE = "</tool_call>"
-
-_ERROR_LIMIT = 300
-# A ```json fence some models wrap around the block's JSON.
-_FENCE = re.compile(r"\A```[A-Za-z]*\s*(.*?)\s*```\Z", re.DOTALL)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One tool call as the model made it; ``arguments`` are raw and unchecked.
-
-    ``error`` is set when the call could be located but not read (an unclosed
-    tag, JSON that does not parse, a missing name); such a call must be
-    answered with an error, never run.
-    """
-
-    id: str
-    name: str
-    arguments: str | Mapping[str, Any]
-    format: CallFormat
-    error: str | None = None
 
 
 def _call_id(raw: object, index: int) -> str:
@@ -78,12 +56,6 @@ def _as_mapping(obj: object) -> Any:
     if callable(dump) and not isinstance(obj, Mapping):
         return dump()
     return obj
-
-
-def _overflow(fmt: CallFormat, index: int) -> ToolCall:
-    return ToolCall(
-        f"call_{index}", "", "", fmt, error=f"more than {MAX_CALLS} tool calls in one message"
-    )
 
 
 def _name_of(raw: object) -> tuple[str, str | None]:
@@ -145,7 +117,7 @@ def from_openai(message_or_tool_calls: Mapping[str, Any] | Sequence[Any]) -> lis
         return [ToolCall("call_0", "", "", "openai", error="tool_calls must be a list")]
     calls = [_openai_call(raw, i) for i, raw in enumerate(raw_calls[:MAX_CALLS])]
     if len(raw_calls) > MAX_CALLS:
-        calls.append(_overflow("openai", MAX_CALLS))
+        calls.append(overflow("openai", MAX_CALLS))
     return calls
 
 
@@ -169,7 +141,7 @@ def from_anthropic(content_blocks: Mapping[str, Any] | Iterable[Any]) -> list[To
             continue
         index = len(calls)
         if index == MAX_CALLS:
-            calls.append(_overflow("anthropic", index))
+            calls.append(overflow("anthropic", index))
             break
         call_id = _call_id(block.get("id"), index)
         name, error = _name_of(block.get("name"))
@@ -187,66 +159,6 @@ def from_anthropic(content_blocks: Mapping[str, Any] | Iterable[Any]) -> list[To
 # -- Hermes ---------------------------------------------------------------------------------------
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# orjson turns integers beyond 64 bits into floats, silently losing digits;
-# text with such a digit run (even inside a string: harmless) takes the
-# exact standard-library parser instead.
-_LONG_DIGITS = re.compile(r"\d{19}")
-
-
-def _load_json(text: str) -> Any:
-    """Exactly one JSON value, integers exact; NaN and Infinity refused."""
-    if _LONG_DIGITS.search(text) is None:
-        return orjson.loads(text)
-    try:
-        return json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
-
-
-def _hermes_body(body: str, first_index: int) -> list[ToolCall]:
-    """The calls of one closed ``<tool_call>`` block: one object, or a list of them."""
-    text = body.strip()
-    fenced = _FENCE.match(text)
-    if fenced:
-        text = fenced.group(1)
-    try:
-        value = _load_json(text)
-    except (ValueError, RecursionError) as exc:
-        error = f"the {HERMES_OPEN} block is not valid JSON: {clip(str(exc), 200)}"
-        return [ToolCall(f"call_{first_index}", "", "", "hermes", error=error)]
-    items = value if isinstance(value, list) and value else [value]
-    return [_hermes_item(item, first_index + i) for i, item in enumerate(items)]
-
-
-def _hermes_item(item: object, index: int) -> ToolCall:
-    call_id = f"call_{index}"
-    if not isinstance(item, dict):
-        kind = type(item).__name__
-        return ToolCall(
-            call_id,
-            "",
-            "",
-            "hermes",
-            error=f"a {HERMES_OPEN} block must hold a JSON object, not {kind}",
-        )
-    error: str | None
-    name, error = _name_of(item.get("name"))
-    if "arguments" in item and "parameters" in item:
-        error = error or "the tool call has both 'arguments' and 'parameters'"
-    # Llama-style calls say "parameters"; an omitted key is a call with no
-    # arguments (the object itself parsed, so nothing was lost).
-    arguments = item.get("arguments", item.get("parameters", {}))
-    if error is None and isinstance(arguments, (dict, str)):
-        return ToolCall(call_id, name, arguments, "hermes")
-    if error is None:
-        error = f"arguments must be an object, not {type(arguments).__name__}"
-    return ToolCall(call_id, name, "", "hermes", error=error)
-
-
 def from_hermes(text: str) -> tuple[str, list[ToolCall]]:
     """``(remaining_text, calls)`` of Hermes/Qwen-style ``<tool_call>{...}</tool_call>`` blocks.
 
@@ -255,64 +167,10 @@ def from_hermes(text: str) -> tuple[str, list[ToolCall]]:
     ``<tool_call>`` comes first), becomes a call with ``error`` set. A last
     block cut off by the end of the message (servers that stop on
     ``</tool_call>`` drop it) counts when what it holds is a complete call.
-    One forward scan: linear in ``len(text)``.
+    One forward scan: linear in ``len(text)``. The same as
+    ``from_text(text, format="hermes")``.
     """
-    prose: list[str] = []
-    calls: list[ToolCall] = []
-    pos = 0
-    overflowed = False
-    close = 0  # position of the next closing tag at or after ``pos``, -1: none left
-    while True:
-        start = text.find(HERMES_OPEN, pos)
-        if start < 0:
-            prose.append(text[pos:])
-            break
-        prose.append(text[pos:start])
-        if len(calls) >= MAX_CALLS:
-            overflowed = True
-            break
-        body_start = start + len(HERMES_OPEN)
-        if 0 <= close < body_start:
-            # Searched again only when passed, so unclosed blocks cost no rescans.
-            close = text.find(HERMES_CLOSE, body_start)
-        reopen = text.find(HERMES_OPEN, body_start, close if close >= 0 else len(text))
-        if close < 0 and reopen < 0:
-            # Runs to the end of the message: a server whose stop sequence is
-            # the closing tag cuts it off. A complete call inside still counts.
-            tail = _hermes_body(text[body_start:], len(calls))
-            if tail and all(call.error is None for call in tail):
-                calls.extend(tail)
-                pos = len(text)
-                continue
-        if close < 0 or reopen >= 0:
-            stop = reopen if reopen >= 0 else len(text)
-            where = "the next block" if reopen >= 0 else "the end of the message"
-            calls.append(
-                ToolCall(
-                    f"call_{len(calls)}",
-                    _guess_name(text, body_start, stop),
-                    "",
-                    "hermes",
-                    error=f"unclosed {HERMES_OPEN} block (no {HERMES_CLOSE} before {where})",
-                )
-            )
-            pos = stop
-            continue
-        calls.extend(_hermes_body(text[body_start:close], len(calls)))
-        pos = close + len(HERMES_CLOSE)
-    if overflowed or len(calls) > MAX_CALLS:
-        del calls[MAX_CALLS:]
-        calls.append(_overflow("hermes", MAX_CALLS))
-    return "".join(prose).strip(), calls
-
-
-# Only the head of an unreadable block is searched for a name, to name it in the error.
-_NAME = re.compile(r'"name"\s*:\s*"([A-Za-z0-9_.-]{1,64})"')
-
-
-def _guess_name(text: str, start: int, stop: int) -> str:
-    match = _NAME.search(text, start, min(stop, start + 512))
-    return match.group(1) if match else ""
+    return _parse_hermes(text)
 
 
 # -- MCP ------------------------------------------------------------------------------------------
@@ -343,16 +201,30 @@ def from_mcp(params: Mapping[str, Any]) -> list[ToolCall]:
 # -- Detection ------------------------------------------------------------------------------------
 
 
-def parse_tool_calls(obj: object) -> list[ToolCall]:
-    """The calls in ``obj``, whichever of the four formats it is in.
+def parse_tool_calls(
+    obj: object, format: TextFormat | None = None, *, tools: object = None
+) -> list[ToolCall]:
+    """The calls in ``obj``, whichever shape it is in.
 
-    A ``str`` is Hermes text (use :func:`from_hermes` to keep the prose); a
-    message dict is recognized by ``tool_calls``/``function_call`` (OpenAI),
-    ``tool_use`` blocks (Anthropic), ``method: tools/call`` or
-    ``name``+``arguments`` (MCP), or Hermes tags in string ``content``. Raises
-    ``ValueError`` for anything else: a wrong object is a programming error.
+    Without ``format``: a ``str`` is Hermes text (use :func:`from_hermes` to
+    keep the prose); a message dict is recognized by
+    ``tool_calls``/``function_call`` (OpenAI), ``tool_use`` blocks
+    (Anthropic), ``method: tools/call`` or ``name``+``arguments`` (MCP), or
+    Hermes tags in string ``content``. With ``format`` (a text family of
+    :mod:`agent_backend.tools.formats`), ``obj`` is model output text (or a
+    message whose ``content`` is), read in that format, with ``tools``
+    typing bare-text values (see :func:`~agent_backend.tools.from_text`).
+    Raises ``ValueError`` for anything else: a wrong object is a programming error.
     """
     obj = _as_mapping(obj)
+    if format is not None:
+        if isinstance(obj, Mapping) and isinstance(obj.get("content"), str):
+            obj = obj["content"]
+        elif isinstance(obj, Mapping) and obj.get("content") is None and "role" in obj:
+            return []
+        if not isinstance(obj, str):
+            raise ValueError(f"format={format!r} reads text, not {clip(repr(obj), 120)}")
+        return from_text(obj, format=format, tools=tools)[1]
     if isinstance(obj, str):
         return from_hermes(obj)[1]
     if isinstance(obj, Mapping):

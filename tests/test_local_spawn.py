@@ -6,6 +6,7 @@ caller went away."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import shutil
@@ -227,10 +228,11 @@ async def test_a_child_whose_caller_went_away_is_killed_and_reaped(
     orphans: list[int] = []
     deliver = spawner._deliver
 
-    def watched(future: object, spawned: local_spawn.Spawned) -> None:
-        if future.cancelled():  # type: ignore[attr-defined]
-            orphans.append(spawned.pid)
-        deliver(future, spawned)  # type: ignore[arg-type]
+    def watched(outcomes: list[tuple[asyncio.Future[local_spawn.Spawned], object]]) -> None:
+        for future, outcome in outcomes:
+            if future.cancelled() and isinstance(outcome, local_spawn.Spawned):
+                orphans.append(outcome.pid)
+        deliver(outcomes)  # type: ignore[arg-type]
 
     monkeypatch.setattr(spawner, "_deliver", watched)
     try:

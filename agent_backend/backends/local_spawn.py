@@ -71,37 +71,36 @@ class _Libc:
     """The few libc functions a spawn needs, bound once."""
 
     def __init__(self) -> None:
+        # posix_spawn waits for the child's exec: the GIL is let go for it (CDLL). The rest only
+        # fill in structures: through PyDLL they keep the GIL, as a release is a chance for the
+        # event loop's thread to take it, and then a wait to get it back, each time.
         libc = ctypes.CDLL(None, use_errno=True)
+        held = ctypes.PyDLL(None)
         ptr = ctypes.c_void_p
         strings = ctypes.POINTER(ctypes.c_char_p)
-        self.spawn = _bind(
-            libc,
-            "posix_spawn",
-            ctypes.POINTER(ctypes.c_int),
-            ctypes.c_char_p,
-            ptr,
-            ptr,
-            strings,
-            strings,
-        )
-        self.file_actions_init = _bind(libc, "posix_spawn_file_actions_init", ptr)
-        self.file_actions_destroy = _bind(libc, "posix_spawn_file_actions_destroy", ptr)
+        spawn_args = (ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ptr, ptr, strings, strings)
+        self.spawn = _bind(libc, "posix_spawn", *spawn_args)
+        # Searches this process's PATH for a bare name, in the child (after its chdir, as Popen's
+        # child does): an exec attempt per directory costs less there than a stat here.
+        self.spawnp = _bind(libc, "posix_spawnp", *spawn_args)
+        self.file_actions_init = _bind(held, "posix_spawn_file_actions_init", ptr)
+        self.file_actions_destroy = _bind(held, "posix_spawn_file_actions_destroy", ptr)
         self.file_actions_adddup2 = _bind(
-            libc, "posix_spawn_file_actions_adddup2", ptr, ctypes.c_int, ctypes.c_int
+            held, "posix_spawn_file_actions_adddup2", ptr, ctypes.c_int, ctypes.c_int
         )
         self.file_actions_addchdir_np = _bind(
-            libc, "posix_spawn_file_actions_addchdir_np", ptr, ctypes.c_char_p
+            held, "posix_spawn_file_actions_addchdir_np", ptr, ctypes.c_char_p
         )
         self.file_actions_addclosefrom_np = _bind(
-            libc, "posix_spawn_file_actions_addclosefrom_np", ptr, ctypes.c_int
+            held, "posix_spawn_file_actions_addclosefrom_np", ptr, ctypes.c_int
         )
-        self.spawnattr_init = _bind(libc, "posix_spawnattr_init", ptr)
-        self.spawnattr_setflags = _bind(libc, "posix_spawnattr_setflags", ptr, ctypes.c_short)
-        self.spawnattr_setpgroup = _bind(libc, "posix_spawnattr_setpgroup", ptr, ctypes.c_int)
-        self.spawnattr_setsigdefault = _bind(libc, "posix_spawnattr_setsigdefault", ptr, ptr)
-        self.spawnattr_setsigmask = _bind(libc, "posix_spawnattr_setsigmask", ptr, ptr)
-        self.sigemptyset = _bind(libc, "sigemptyset", ptr)
-        self.sigaddset = _bind(libc, "sigaddset", ptr, ctypes.c_int)
+        self.spawnattr_init = _bind(held, "posix_spawnattr_init", ptr)
+        self.spawnattr_setflags = _bind(held, "posix_spawnattr_setflags", ptr, ctypes.c_short)
+        self.spawnattr_setpgroup = _bind(held, "posix_spawnattr_setpgroup", ptr, ctypes.c_int)
+        self.spawnattr_setsigdefault = _bind(held, "posix_spawnattr_setsigdefault", ptr, ptr)
+        self.spawnattr_setsigmask = _bind(held, "posix_spawnattr_setsigmask", ptr, ptr)
+        self.sigemptyset = _bind(held, "sigemptyset", ptr)
+        self.sigaddset = _bind(held, "sigaddset", ptr, ctypes.c_int)
         # One attribute set for every child: its own group, a clean signal state.
         self.attr = ctypes.create_string_buffer(_ATTR_SIZE)
         defaults = ctypes.create_string_buffer(_SIGSET_SIZE)
@@ -127,8 +126,13 @@ class _Libc:
         envp: Sequence[bytes],
         cwd: bytes,
         fds: tuple[int, int, int],
+        *,
+        search: bool = False,
     ) -> int:
-        """posix_spawn ``path`` with ``fds`` as its 0, 1 and 2, in ``cwd``: the pid, or the errno."""
+        """posix_spawn ``path`` with ``fds`` as its 0, 1 and 2, in ``cwd``: the pid, or the errno.
+
+        ``search``: ``path`` is a bare name, looked for on this process's PATH (posix_spawnp).
+        """
         actions = ctypes.create_string_buffer(_ACTIONS_SIZE)
         if self.file_actions_init(actions):
             raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
@@ -140,7 +144,8 @@ class _Libc:
             c_argv = (ctypes.c_char_p * (len(argv) + 1))(*argv, None)
             c_envp = (ctypes.c_char_p * (len(envp) + 1))(*envp, None)
             pid = ctypes.c_int()
-            code = self.spawn(ctypes.byref(pid), path, actions, self.attr, c_argv, c_envp)
+            spawn = self.spawnp if search else self.spawn
+            code = spawn(ctypes.byref(pid), path, actions, self.attr, c_argv, c_envp)
         finally:
             self.file_actions_destroy(actions)
         return pid.value if code == 0 else -code
@@ -176,13 +181,17 @@ class Spawned:
 
 @dataclasses.dataclass(slots=True)
 class _Request:
-    argv: list[bytes]
-    env: list[bytes]
-    cwd: bytes
-    path_dirs: list[bytes]
+    """One spawn asked for; encoded to bytes in the spawner's thread, not on the event loop."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str
     stdin: bool
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[Spawned]
+
+
+_Outcome = tuple[asyncio.Future[Spawned], Spawned | BaseException]
 
 
 def _no_nul(values: Sequence[bytes]) -> None:
@@ -261,18 +270,8 @@ class Spawner:
         """
         if self._closed:
             raise PoolClosed("the local backend is closed")
-        encoded = [os.fsencode(arg) for arg in argv]
-        environ = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
-        path = env.get("PATH", os.defpath)
-        request = _Request(
-            argv=encoded,
-            env=environ,
-            cwd=os.fsencode(cwd),
-            path_dirs=[os.fsencode(d) for d in path.split(os.pathsep)],
-            stdin=stdin,
-            loop=asyncio.get_running_loop(),
-            future=asyncio.get_running_loop().create_future(),
-        )
+        loop = asyncio.get_running_loop()
+        request = _Request(argv, env, cwd, stdin, loop, loop.create_future())
         self._queue.put(request)
         return await request.future
 
@@ -292,27 +291,49 @@ class Spawner:
 
     def _serve(self) -> None:
         while True:
-            item = self._queue.get()
-            if item is None:
+            # Everything queued meanwhile is done in one go, and handed back in one trip per
+            # event loop: under load, one wake-up of the thread and of the loop for many spawns.
+            items = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while items[-1] is not None:
+                    items.append(self._queue.get_nowait())
+            outcomes: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+            for item in items:
+                if item is None:
+                    break
+                if isinstance(item, int):  # a child nobody took: kill and reap it
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(item, signal.SIGKILL)
+                    with contextlib.suppress(ChildProcessError):
+                        os.waitpid(item, 0)
+                    continue
+                outcome: Spawned | BaseException
+                try:
+                    outcome = self._start(item)
+                except BaseException as exc:  # handed to the caller, raised there
+                    outcome = exc
+                outcomes.setdefault(item.loop, []).append((item.future, outcome))
+            for loop, done in outcomes.items():
+                loop.call_soon_threadsafe(self._deliver, done)
+            if items[-1] is None:
                 return
-            if isinstance(item, int):  # a child nobody took: kill and reap it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(item, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(item, 0)
-                continue
-            try:
-                spawned = self._start(item)
-            except BaseException as exc:  # handed to the caller, raised there
-                item.loop.call_soon_threadsafe(self._fail, item.future, exc)
-            else:
-                item.loop.call_soon_threadsafe(self._deliver, item.future, spawned)
 
     def _start(self, request: _Request) -> Spawned:
-        _no_nul(request.argv)
-        _no_nul(request.env)
-        _no_nul([request.cwd])
-        path = _resolve(request.argv[0], request.path_dirs, request.cwd)
+        argv = [os.fsencode(arg) for arg in request.argv]
+        env = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in request.env.items()]
+        cwd = os.fsencode(request.cwd)
+        _no_nul(argv)
+        _no_nul(env)
+        _no_nul([cwd])
+        path = argv[0]
+        search = False
+        if b"/" not in path:
+            child_path = request.env.get("PATH")
+            if child_path is not None and child_path == os.environ.get("PATH"):
+                search = True  # the child's PATH is ours: libc searches it
+            else:
+                dirs = (child_path or os.defpath).split(os.pathsep)
+                path = _resolve(path, [os.fsencode(d) for d in dirs], cwd)
         ours: list[int] = []  # closed on failure; on success the parent's ends are handed over
         theirs: list[int] = []  # the child's ends: always closed here
         try:
@@ -326,11 +347,10 @@ class Spawner:
             our_err, child_err = _pipe()
             ours += (our_out, our_err)
             theirs += (child_out, child_err)
-            pid = self._libc.start(
-                path, request.argv, request.env, request.cwd, (child_in, child_out, child_err)
-            )
+            fds = (child_in, child_out, child_err)
+            pid = self._libc.start(path, argv, env, cwd, fds, search=search)
             if pid < 0:
-                raise self._spawn_error(-pid, request, path)
+                raise self._spawn_error(-pid, cwd, argv[0], path)
             try:
                 pidfd = os.pidfd_open(pid)
             except OSError:
@@ -350,31 +370,28 @@ class Spawner:
         return Spawned(pid, pidfd, ours[0] if request.stdin else None, our_out, our_err)
 
     @staticmethod
-    def _spawn_error(code: int, request: _Request, path: bytes) -> OSError:
+    def _spawn_error(code: int, cwd: bytes, program: bytes, path: bytes) -> OSError:
         # posix_spawn reports a failed chdir and a failed exec alike: tell them apart as Popen does.
-        cwd = request.cwd
         if code in (errno.ENOENT, errno.ENOTDIR, errno.EACCES) and not (
             os.path.isdir(cwd) and os.access(cwd, os.X_OK)
         ):
             return OSError(code, os.strerror(code), os.fsdecode(cwd))
-        name = os.fsdecode(request.argv[0])
         if code == errno.ENOENT:
-            return FileNotFoundError(code, os.strerror(code), name)
+            return FileNotFoundError(code, os.strerror(code), os.fsdecode(program))
         return OSError(code, os.strerror(code), os.fsdecode(path))
 
     # -- back on the event loop -------------------------------------------------------------------
 
-    def _deliver(self, future: asyncio.Future[Spawned], spawned: Spawned) -> None:
-        if not future.cancelled():
-            future.set_result(spawned)
-            return
-        # The caller went away (it did not shield the await): the child is nobody's.
-        for fd in (spawned.pidfd, spawned.stdin, spawned.stdout, spawned.stderr):
-            if fd is not None:
-                os.close(fd)
-        self._queue.put(spawned.pid)
-
-    @staticmethod
-    def _fail(future: asyncio.Future[Spawned], exc: BaseException) -> None:
-        if not future.cancelled():
-            future.set_exception(exc)
+    def _deliver(self, outcomes: list[_Outcome]) -> None:
+        for future, outcome in outcomes:
+            if not future.cancelled():
+                if isinstance(outcome, BaseException):
+                    future.set_exception(outcome)
+                else:
+                    future.set_result(outcome)
+            elif isinstance(outcome, Spawned):
+                # The caller went away (it did not shield the await): the child is nobody's.
+                for fd in (outcome.pidfd, outcome.stdin, outcome.stdout, outcome.stderr):
+                    if fd is not None:
+                        os.close(fd)
+                self._queue.put(outcome.pid)

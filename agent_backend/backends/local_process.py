@@ -127,9 +127,11 @@ class _PidfdChild:
         self._stdin: memoryview | None = None
         self._writing = False
         self._watching = False
+        # Both pipes tracked before either is registered: a failure closes them both.
+        self._readers[spawned.stdout] = stdout
+        self._readers[spawned.stderr] = stderr
         try:
-            for fd, buffer in ((spawned.stdout, stdout), (spawned.stderr, stderr)):
-                self._readers[fd] = buffer
+            for fd in (spawned.stdout, spawned.stderr):
                 loop.add_reader(fd, self._on_readable, fd)
             loop.add_reader(self._pidfd, self._on_exit)
             self._watching = True

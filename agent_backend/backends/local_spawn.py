@@ -301,11 +301,8 @@ class Spawner:
             for item in items:
                 if item is None:
                     break
-                if isinstance(item, int):  # a child nobody took: kill and reap it
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(item, signal.SIGKILL)
-                    with contextlib.suppress(ChildProcessError):
-                        os.waitpid(item, 0)
+                if isinstance(item, int):  # a child nobody took
+                    self._reap(item)
                     continue
                 outcome: Spawned | BaseException
                 try:
@@ -314,7 +311,13 @@ class Spawner:
                     outcome = exc
                 outcomes.setdefault(item.loop, []).append((item.future, outcome))
             for loop, done in outcomes.items():
-                loop.call_soon_threadsafe(self._deliver, done)
+                try:
+                    loop.call_soon_threadsafe(self._deliver, done)
+                except RuntimeError:  # that event loop is closed: nobody will take these
+                    for _, outcome in done:
+                        if isinstance(outcome, Spawned):
+                            self._abandon(outcome)
+                            self._reap(outcome.pid)
             if items[-1] is None:
                 return
 
@@ -391,7 +394,19 @@ class Spawner:
                     future.set_result(outcome)
             elif isinstance(outcome, Spawned):
                 # The caller went away (it did not shield the await): the child is nobody's.
-                for fd in (outcome.pidfd, outcome.stdin, outcome.stdout, outcome.stderr):
-                    if fd is not None:
-                        os.close(fd)
-                self._queue.put(outcome.pid)
+                self._abandon(outcome)
+                self._queue.put(outcome.pid)  # killed and reaped in the thread
+
+    @staticmethod
+    def _abandon(spawned: Spawned) -> None:
+        for fd in (spawned.pidfd, spawned.stdin, spawned.stdout, spawned.stderr):
+            if fd is not None:
+                os.close(fd)
+
+    @staticmethod
+    def _reap(pid: int) -> None:
+        """Kill ``pid``'s group and reap it (a child of ours nobody took; blocks until it died)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)

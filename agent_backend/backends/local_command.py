@@ -137,7 +137,8 @@ def _argv(command: Command, config: LocalPoolConfig) -> list[str]:
 
 
 def _environment(config: LocalPoolConfig, extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: os.environ[k] for k in config.env_passthrough if k in os.environ}
+    get = os.environ.get  # one lookup per name (``in`` then ``[]`` encoded each name twice)
+    env = {k: v for k in config.env_passthrough if (v := get(k)) is not None}
     env.update(config.extra_env)
     env.update(extra)
     return env

@@ -6,10 +6,12 @@ callbacks, so a command costs no reader task; its exit and the closing of its
 pipes are events to wait on.
 
 **No thread per command.** On Linux (``os.pidfd_open``, kernel 5.3+) the
-child is started with :class:`subprocess.Popen` and watched through a pidfd
-registered with the event loop: readable when the child exits, then reaped
-with ``waitpid(WNOHANG)``; its pipes are non-blocking descriptors read by
-``add_reader`` callbacks. Python 3.11's asyncio instead starts a thread per
+child is started by the host's :class:`~agent_backend.backends.local_spawn.Spawner`
+(libc's ``posix_spawn`` in one thread per host, off the event loop; where
+libc lacks what it needs, :class:`subprocess.Popen` here) and watched
+through a pidfd registered with the event loop: readable when the child
+exits, then reaped with ``waitpid(WNOHANG)``; its pipes are raw non-blocking
+descriptors read by ``add_reader`` callbacks. Python 3.11's asyncio instead starts a thread per
 child to wait for it (``ThreadedChildWatcher``), and connects each pipe in a
 transport of its own. Beside a busy vLLM server on two cores, those threads
 fought the event loop for the GIL: in ``bench/rollout_vllm_bench.py`` at 64

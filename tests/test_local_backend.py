@@ -25,7 +25,7 @@ from support.proc_helpers import (
 from support.ssh_helpers import wait_until
 
 from agent_backend.backends import local as local_module
-from agent_backend.backends import local_owner
+from agent_backend.backends import local_owner, local_spawn
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Command
 from agent_backend.errors import BackendUnavailable, PoolClosed
@@ -33,12 +33,25 @@ from agent_backend.errors import BackendUnavailable, PoolClosed
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
-@pytest.fixture(params=["pidfd", "asyncio"])
+def spawn_with(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"posix_spawn"`` (libc's, in the spawner's thread: local_spawn.py), ``"popen"`` (Popen on the
+    event loop, where libc falls short) or ``"asyncio"`` (no pidfds either)."""
+    spawn_on("asyncio" if path == "asyncio" else "pidfd", monkeypatch)
+    if path == "popen":
+        monkeypatch.setattr(local_spawn, "_PROBED", True)
+        monkeypatch.setattr(local_spawn, "_LIBC", None)
+    elif path == "posix_spawn" and not local_spawn.posix_spawn_supported():
+        if os.environ.get("CI") == "true":
+            pytest.fail("this libc has no posix_spawn addchdir_np/addclosefrom_np (glibc 2.34+)")
+        pytest.skip("no posix_spawn addchdir_np/addclosefrom_np here (glibc 2.34+)")
+
+
+@pytest.fixture(params=["posix_spawn", "popen", "asyncio"])
 async def host(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[LocalHost]:
-    """A started local host; every test runs on both ways of spawning (local_process.py)."""
-    spawn_on(request.param, monkeypatch)
+    """A started local host; every test runs on the three ways of spawning (local_process.py)."""
+    spawn_with(request.param, monkeypatch)
     config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
     async with LocalBackend(config) as backend:
         yield backend.host

@@ -35,6 +35,7 @@ import anyio.to_thread
 from agent_backend.backends.local_command import DRAIN_SECONDS, run_in_group
 from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
+from agent_backend.backends.local_spawn import Spawner, posix_spawn_supported
 from agent_backend.backends.local_workspaces import WorkspaceKeeper
 from agent_backend.dispatch.backend import (
     Backend,
@@ -141,6 +142,8 @@ class LocalHost(Host):
         self._calls_done: anyio.Event | None = None
         self._scratch: str | None = None
         self._keeper: WorkspaceKeeper | None = None
+        # Starts commands in a thread of its own (libc's posix_spawn), where this libc can.
+        self._spawner: Spawner | None = None
         self._started = False
         self._closing = False
         self._closed = anyio.Event()
@@ -198,6 +201,8 @@ class LocalHost(Host):
             raise BackendUnavailable(
                 f"cannot prepare the local workspace root: {exc}", backend="local", host=self.name
             ) from exc
+        if self._spawner is None and posix_spawn_supported():
+            self._spawner = Spawner()
         if self._keeper is None:  # last: nothing after it can fail and leave its threads
             # Looked up when called: tests slow them down to prove they are off the loop.
             self._keeper = WorkspaceKeeper(
@@ -257,6 +262,9 @@ class LocalHost(Host):
                     leftovers.append(self._scratch)
                 self._workspaces.clear()
                 self._scratch = None
+                if self._spawner is not None:  # no call is left to spawn with it
+                    spawner, self._spawner = self._spawner, None
+                    await spawner.aclose()
                 if self._keeper is not None:
                     keeper, self._keeper = self._keeper, None
                     leftovers.extend(await keeper.aclose())  # its spares
@@ -316,6 +324,7 @@ class LocalHost(Host):
                         cwd=command.cwd or self.config.default_cwd or self._scratch,
                         host=self.name,
                         started=started,
+                        spawner=self._spawner,
                     )
                 finally:
                     self._active -= 1

@@ -32,6 +32,7 @@ import anyio.to_thread
 
 from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_process import ChildProcess, spawn
+from agent_backend.backends.local_spawn import Spawner
 from agent_backend.dispatch.backend import Command, CommandResult, Output
 from agent_backend.dispatch.output import OutputBuffer
 from agent_backend.errors import BackendUnavailable
@@ -50,7 +51,13 @@ _REAP_SECONDS = 5.0
 
 
 async def run_in_group(
-    command: Command, *, config: LocalPoolConfig, cwd: str | None, host: str, started: float
+    command: Command,
+    *,
+    config: LocalPoolConfig,
+    cwd: str | None,
+    host: str,
+    started: float,
+    spawner: Spawner | None = None,
 ) -> CommandResult:
     """Run ``command`` in ``cwd`` until it exits or its time (counted from ``started``) is up.
 
@@ -58,6 +65,7 @@ async def run_in_group(
     pipes closed before this returns or raises. A program that cannot be
     started is a result (exit status 127 or 126, the reason on stderr); a
     machine out of processes or descriptors raises :class:`BackendUnavailable`.
+    With a ``spawner``, the process is started in its thread (``local_spawn``).
     """
     argv = _argv(command, config)
     stdout = OutputBuffer(command.output_limit)
@@ -74,6 +82,7 @@ async def run_in_group(
                 stdin=command.stdin is not None,
                 stdout=stdout,
                 stderr=stderr,
+                spawner=spawner,
             )
     except (OSError, ValueError) as exc:
         return _spawn_failure(exc, argv[0], cwd, started, host)
@@ -90,12 +99,15 @@ async def run_in_group(
         with anyio.CancelScope(shield=True):
             try:
                 await _end_group(process, config.kill_grace)
-                with anyio.move_on_after(DRAIN_SECONDS):
-                    await process.wait_pipes_closed()
+                # (Each wait only when there is something to wait for: a scope costs CPU.)
+                if not process.pipes_closed():
+                    with anyio.move_on_after(DRAIN_SECONDS):
+                        await process.wait_pipes_closed()
                 # The group is gone, but a leader that died of the SIGTERM may be a
-                # zombie asyncio has not collected yet: its status comes in a moment.
-                with anyio.move_on_after(_REAP_SECONDS):
-                    await process.wait_exit()
+                # zombie not collected yet: its status comes in a moment.
+                if not process.has_exited():
+                    with anyio.move_on_after(_REAP_SECONDS):
+                        await process.wait_exit()
             finally:
                 process.close()
     returncode = process.returncode
@@ -125,7 +137,8 @@ def _argv(command: Command, config: LocalPoolConfig) -> list[str]:
 
 
 def _environment(config: LocalPoolConfig, extra: Mapping[str, str]) -> dict[str, str]:
-    env = {k: os.environ[k] for k in config.env_passthrough if k in os.environ}
+    get = os.environ.get  # one lookup per name (``in`` then ``[]`` encoded each name twice)
+    env = {k: v for k in config.env_passthrough if (v := get(k)) is not None}
     env.update(config.extra_env)
     env.update(extra)
     return env

@@ -6,10 +6,12 @@ callbacks, so a command costs no reader task; its exit and the closing of its
 pipes are events to wait on.
 
 **No thread per command.** On Linux (``os.pidfd_open``, kernel 5.3+) the
-child is started with :class:`subprocess.Popen` and watched through a pidfd
-registered with the event loop: readable when the child exits, then reaped
-with ``waitpid(WNOHANG)``; its pipes are non-blocking descriptors read by
-``add_reader`` callbacks. Python 3.11's asyncio instead starts a thread per
+child is started by the host's :class:`~agent_backend.backends.local_spawn.Spawner`
+(libc's ``posix_spawn`` in one thread per host, off the event loop; where
+libc lacks what it needs, :class:`subprocess.Popen` here) and watched
+through a pidfd registered with the event loop: readable when the child
+exits, then reaped with ``waitpid(WNOHANG)``; its pipes are raw non-blocking
+descriptors read by ``add_reader`` callbacks. Python 3.11's asyncio instead starts a thread per
 child to wait for it (``ThreadedChildWatcher``), and connects each pipe in a
 transport of its own. Beside a busy vLLM server on two cores, those threads
 fought the event loop for the GIL: in ``bench/rollout_vllm_bench.py`` at 64
@@ -43,10 +45,11 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 
+from agent_backend.backends.local_spawn import Spawned, Spawner
 from agent_backend.dispatch.output import OutputBuffer
 
 __all__ = ["ChildProcess", "pidfd_supported", "spawn"]
@@ -80,6 +83,12 @@ class ChildProcess(Protocol):
     def returncode(self) -> int | None:
         """The exit code (negative: the signal), once the leader is reaped."""
 
+    def has_exited(self) -> bool:
+        """Whether the leader has exited and is reaped (or was reaped elsewhere)."""
+
+    def pipes_closed(self) -> bool:
+        """Whether stdout and stderr are both closed."""
+
     async def wait_exit(self) -> int | None:
         """Until the leader has exited and is reaped: its returncode (None if reaped elsewhere)."""
 
@@ -97,32 +106,34 @@ class ChildProcess(Protocol):
 
 
 class _PidfdChild:
+    """A child watched through its pidfd; its pipes are raw descriptors, all ours to close."""
+
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        spawned: Spawned,
         loop: asyncio.AbstractEventLoop,
         stdout: OutputBuffer,
         stderr: OutputBuffer,
+        popen: subprocess.Popen[bytes] | None = None,
     ) -> None:
-        self.pid: int = popen.pid
+        self.pid: int = spawned.pid
         self._popen = popen
         self._loop = loop
         self._exited = anyio.Event()
         self._pipes_closed = anyio.Event()
         self._reaped_elsewhere = False
         self._code: int | None = None
-        self._pidfd = -1
-        self._readers: dict[int, tuple[IO[bytes], OutputBuffer]] = {}
-        self._stdin: tuple[IO[bytes], memoryview] | None = None
+        self._pidfd = spawned.pidfd
+        self._readers: dict[int, OutputBuffer] = {}
+        self._stdin_fd = spawned.stdin
+        self._stdin: memoryview | None = None
         self._writing = False
         self._watching = False
+        # Both pipes tracked before either is registered: a failure closes them both.
+        self._readers[spawned.stdout] = stdout
+        self._readers[spawned.stderr] = stderr
         try:
-            self._pidfd = os.pidfd_open(self.pid)
-            for file, buffer in ((popen.stdout, stdout), (popen.stderr, stderr)):
-                assert file is not None
-                fd = file.fileno()
-                os.set_blocking(fd, False)
-                self._readers[fd] = (file, buffer)
+            for fd in (spawned.stdout, spawned.stderr):
                 loop.add_reader(fd, self._on_readable, fd)
             loop.add_reader(self._pidfd, self._on_exit)
             self._watching = True
@@ -137,6 +148,12 @@ class _PidfdChild:
     # Not waited on once set: anyio's Event.wait() yields to the event loop even then, and
     # beside a busy server every trip through the loop costs milliseconds.
 
+    def has_exited(self) -> bool:
+        return self._exited.is_set()
+
+    def pipes_closed(self) -> bool:
+        return self._pipes_closed.is_set()
+
     async def wait_exit(self) -> int | None:
         if not self._exited.is_set():
             await self._exited.wait()
@@ -147,8 +164,8 @@ class _PidfdChild:
             await self._pipes_closed.wait()
 
     def _on_readable(self, fd: int) -> None:
-        entry = self._readers.get(fd)
-        if entry is None:
+        buffer = self._readers.get(fd)
+        if buffer is None:
             return
         try:
             data = os.read(fd, _READ_SIZE)
@@ -157,14 +174,14 @@ class _PidfdChild:
         except OSError:
             data = b""
         if data:
-            entry[1].feed(data)
+            buffer.feed(data)
         else:
             self._close_reader(fd)
 
     def _close_reader(self, fd: int) -> None:
-        file, _ = self._readers.pop(fd)
+        del self._readers[fd]
         self._loop.remove_reader(fd)
-        file.close()
+        os.close(fd)
         if not self._readers:
             self._pipes_closed.set()
 
@@ -178,34 +195,36 @@ class _PidfdChild:
             return
         self._loop.remove_reader(self._pidfd)
         self._watching = False
-        os.close(self._pidfd)
-        self._pidfd = -1
+        self._close_pidfd()
         if self._reaped_elsewhere:
             logger.warning("pid %d was reaped by other code: its exit status is lost", self.pid)
         else:
             self._code = os.waitstatus_to_exitcode(status)
-        # Popen gets a returncode too: it must not poll (or warn about) a pid it no longer owns.
-        self._popen.returncode = self._code if self._code is not None else -1
+        if self._popen is not None:
+            # Popen gets a returncode too: it must not poll (or warn about) a pid it no longer owns.
+            self._popen.returncode = self._code if self._code is not None else -1
         self._exited.set()
 
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
     def feed_stdin(self, data: bytes) -> None:
-        file = self._popen.stdin
-        if file is None or self._stdin is not None:
+        if self._stdin_fd is None or self._stdin is not None:
             return
-        os.set_blocking(file.fileno(), False)
-        self._stdin = (file, memoryview(data))
+        self._stdin = memoryview(data)
         self._write_stdin()
 
     def _write_stdin(self) -> None:
-        if self._stdin is None:
+        if self._stdin is None or self._stdin_fd is None:
             return
-        file, rest = self._stdin
-        fd = file.fileno()
+        fd, rest = self._stdin_fd, self._stdin
         try:
             while rest:
                 rest = rest[os.write(fd, rest) :]
         except (BlockingIOError, InterruptedError):  # the pipe is full: on when it drains
-            self._stdin = (file, rest)
+            self._stdin = rest
             if not self._writing:
                 self._writing = True
                 self._loop.add_writer(fd, self._write_stdin)
@@ -215,35 +234,77 @@ class _PidfdChild:
         self._close_stdin()
 
     def _close_stdin(self) -> None:
-        if self._stdin is None:
-            return
-        file, _ = self._stdin
+        fd, self._stdin_fd = self._stdin_fd, None
         self._stdin = None
+        if fd is None:
+            return
         if self._writing:
             self._writing = False
-            self._loop.remove_writer(file.fileno())
-        file.close()
+            self._loop.remove_writer(fd)
+        os.close(fd)
 
     def close(self) -> None:
         for fd in list(self._readers):
             self._close_reader(fd)
         self._pipes_closed.set()
         self._close_stdin()
-        if self._popen.stdin is not None:
-            self._popen.stdin.close()
         if self._exited.is_set():
             return
         # Not reaped, so the pid is still ours to signal.
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         if not self._watching:  # failed before the pidfd was watched: reap it here
-            if self._pidfd >= 0:
-                os.close(self._pidfd)
-                self._pidfd = -1
+            self._close_pidfd()
             with contextlib.suppress(ChildProcessError):
-                self._code = self._popen.wait()
+                _, status = os.waitpid(self.pid, 0)
+                self._code = os.waitstatus_to_exitcode(status)
+            if self._popen is not None:
+                self._popen.returncode = self._code if self._code is not None else -1
             self._exited.set()
         # Otherwise the pidfd reader stays registered and reaps the leader when it dies.
+
+
+def _popen_spawn(
+    argv: Sequence[str], options: dict[str, Any], stdin: bool
+) -> tuple[subprocess.Popen[bytes], Spawned]:
+    """Popen on this thread (the event loop's): the fallback where libc's posix_spawn falls short."""
+    # Our own pipes, handed to Popen as descriptors: the parent's ends stay raw fds, as the
+    # Spawner's do, and Popen holds no file object to close.
+    ours: list[int] = []
+    theirs: list[int] = []
+    try:
+        if stdin:
+            child_in, our_in = os.pipe()
+            ours.append(our_in)
+            theirs.append(child_in)
+        our_out, child_out = os.pipe()
+        our_err, child_err = os.pipe()
+        ours += (our_out, our_err)
+        theirs += (child_out, child_err)
+        # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
+        popen = subprocess.Popen(
+            list(argv),
+            **options,
+            stdin=child_in if stdin else subprocess.DEVNULL,
+            stdout=child_out,
+            stderr=child_err,
+        )
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
+    for fd in ours:
+        os.set_blocking(fd, False)
+    return popen, Spawned(popen.pid, pidfd, ours[0] if stdin else None, our_out, our_err)
 
 
 # -- elsewhere: asyncio's subprocess transport -------------------------------------------------------
@@ -283,6 +344,12 @@ class _AsyncioChild:
     def returncode(self) -> int | None:
         return self._transport.get_returncode()
 
+    def has_exited(self) -> bool:
+        return self._protocol.exited.is_set()
+
+    def pipes_closed(self) -> bool:
+        return self._protocol.pipes_closed.is_set()
+
     async def wait_exit(self) -> int | None:
         if not self._protocol.exited.is_set():
             await self._protocol.exited.wait()
@@ -312,27 +379,41 @@ async def spawn(
     stdin: bool,
     stdout: OutputBuffer,
     stderr: OutputBuffer,
+    spawner: Spawner | None = None,
 ) -> ChildProcess:
     """Start ``argv`` as the leader of a new process group (its pid is the group id).
 
-    Raises what :class:`subprocess.Popen` raises when the program cannot be started
+    With a ``spawner`` (and pidfds), in its thread by libc's posix_spawn; else
+    with :class:`subprocess.Popen` here. Must be awaited shielded from
+    cancellation (a child once started is the caller's). Raises what
+    :class:`subprocess.Popen` raises when the program cannot be started
     (``OSError``, ``ValueError``).
     """
     loop = asyncio.get_running_loop()
-    # The same child either way: its own group, only the pipes asked for, no inherited fds.
-    options: dict[str, Any] = {
-        "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
-        "stdout": subprocess.PIPE,
-        "stderr": subprocess.PIPE,
-        "cwd": cwd,
-        "env": dict(env),
-        "process_group": 0,
-        "close_fds": True,
-    }
     if pidfd_supported():
-        # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
-        popen = subprocess.Popen(list(argv), bufsize=0, **options)  # noqa: ASYNC220
-        return _PidfdChild(popen, loop, stdout, stderr)
+        if spawner is not None and cwd is not None:
+            spawned = await spawner.spawn(argv, cwd=cwd, env=env, stdin=stdin)
+            return _PidfdChild(spawned, loop, stdout, stderr)
+        options: dict[str, Any] = {
+            "cwd": cwd,
+            "env": dict(env),
+            "process_group": 0,
+            "close_fds": True,
+            "bufsize": 0,
+        }
+        popen, spawned = _popen_spawn(argv, options, stdin)
+        return _PidfdChild(spawned, loop, stdout, stderr, popen)
+    # The same child either way: its own group, only the pipes asked for, no inherited fds.
     protocol = _Protocol(stdout, stderr)
-    transport, _ = await loop.subprocess_exec(lambda: protocol, *argv, **options)
+    transport, _ = await loop.subprocess_exec(
+        lambda: protocol,
+        *argv,
+        stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=dict(env),
+        process_group=0,
+        close_fds=True,
+    )
     return _AsyncioChild(transport, protocol)

@@ -65,6 +65,9 @@ def ray_cluster(request: pytest.FixtureRequest) -> RayCluster:
 
         loopback_only()  # the test cluster listens on 127.0.0.1 only
         ray.init(
+            # A new local Ray even when another runs on the machine (a `ray start` cluster of
+            # another test): without "local", ray.init joins the last cluster started here.
+            address="local",
             num_cpus=2,
             num_gpus=2,
             object_store_memory=256 * 1024 * 1024,

@@ -356,7 +356,9 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
         # carry (extras["worker"]), stays what it was before workers were replaced.
         name = f"{config.name}-rollout-{index}" + (f".{generation}" if generation else "")
         ray_name = f"agent_backend/rollout/{config.name}/{self._token}/{index}.{generation}"
-        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS)
+        options = actor_options(
+            config, ray_name, control_slots=_CONTROL_SLOTS, runtime_env=self.shipped_runtime_env
+        )
         functions = [(tool.function, tool.name) for tool in config.tools]
         handle = (
             _worker_class()

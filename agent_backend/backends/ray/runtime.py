@@ -201,17 +201,24 @@ class ActorConfig(Protocol):
     @property
     def resources(self) -> Mapping[str, float]: ...
     @property
-    def runtime_env(self) -> dict[str, Any] | None: ...
-    @property
     def start_timeout(self) -> float: ...
     def actor_resources(self) -> dict[str, float]: ...
 
 
-def actor_options(config: ActorConfig, ray_name: str, *, control_slots: int) -> dict[str, Any]:
+def actor_options(
+    config: ActorConfig,
+    ray_name: str,
+    *,
+    control_slots: int,
+    runtime_env: Mapping[str, Any] | None,
+) -> dict[str, Any]:
     """Ray ``.options()`` for one actor of ``config``: its reservation, concurrency, env.
 
     ``control_slots`` are concurrency kept beyond ``max_concurrency`` for the
-    driver's own calls (describe, the death sentinel, close). Ray never
+    driver's own calls (describe, the death sentinel, close). ``runtime_env``
+    is the pool's as shipped at start (``ActorSupervisor.shipped_runtime_env``:
+    local folders replaced by their URIs in the cluster), never the config's
+    own, which Ray refuses per actor when it names local paths. Ray never
     restarts the actor: its owner replaces it and keeps serving meanwhile.
     """
     options: dict[str, Any] = {
@@ -224,8 +231,8 @@ def actor_options(config: ActorConfig, ray_name: str, *, control_slots: int) -> 
     }
     if config.resources:
         options["resources"] = dict(config.resources)
-    if config.runtime_env is not None:
-        options["runtime_env"] = config.runtime_env
+    if runtime_env is not None:
+        options["runtime_env"] = dict(runtime_env)
     return options
 
 

@@ -22,10 +22,11 @@ URI, and never let a Ray exception reach its caller (a failed upload is a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,6 +39,8 @@ SHIPPED_KEYS: Final = ("working_dir", "py_modules")
 
 #: Set to 1, Ray packs files that ``.gitignore`` names too (Ray's own switch).
 _IGNORE_GITIGNORE: Final = "RAY_RUNTIME_ENV_IGNORE_GITIGNORE"
+#: Seconds Ray keeps a new package referenced after an upload (600 by default; 0: none).
+_PIN_SECONDS: Final = "RAY_RUNTIME_ENV_TEMPORARY_REFERENCE_EXPIRATION_S"
 
 
 def is_local(value: object) -> bool:
@@ -64,13 +67,18 @@ def ship_runtime_env(runtime_env: Mapping[str, Any] | None) -> dict[str, Any] | 
     if runtime_env is None:
         return None
     shipped = copy.deepcopy(dict(runtime_env))
-    if not _needs_upload(shipped):
-        return shipped
+    if _needs_upload(shipped):
+        shipped = _upload(shipped, original=runtime_env)
+    shipped.pop("excludes", None)
+    return shipped
+
+
+def _upload(shipped: dict[str, Any], *, original: Mapping[str, Any]) -> dict[str, Any]:
     from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
     from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
 
     include_gitignore = os.environ.get(_IGNORE_GITIGNORE, "0") != "1"
-    with tempfile.TemporaryDirectory(prefix="agent-backend-ray-") as scratch:
+    with _no_pin_over_ray_client(), tempfile.TemporaryDirectory(prefix="agent-backend-") as scratch:
         shipped = _zips_first(shipped)
         steps: tuple[tuple[str, Callable[..., dict[str, Any]]], ...] = (
             ("py_modules", upload_py_modules_if_needed),
@@ -82,9 +90,30 @@ def ship_runtime_env(runtime_env: Mapping[str, Any] | None) -> dict[str, Any] | 
             try:
                 shipped = upload(shipped, include_gitignore=include_gitignore, scratch_dir=scratch)
             except Exception as exc:
-                raise _upload_error(key, runtime_env.get(key), exc) from None
-    shipped.pop("excludes", None)
+                raise _upload_error(key, original.get(key), exc) from None
     return shipped
+
+
+@contextlib.contextmanager
+def _no_pin_over_ray_client() -> Iterator[None]:
+    """Through Ray Client, upload without the temporary reference Ray adds to a new package.
+
+    Ray's upload pins each package for a while (so that it outlives a driver
+    that dies before its job starts); through Ray Client that call never
+    returns (Ray 2.60). Unpinned, a package stays in the store until the
+    actors that use it are gone. Ray reads the pin's duration at each upload;
+    0 skips it.
+    """
+    from ray.util.client import ray as client
+
+    if not client.is_connected() or _PIN_SECONDS in os.environ:  # type: ignore[no-untyped-call]
+        yield
+        return
+    os.environ[_PIN_SECONDS] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop(_PIN_SECONDS, None)
 
 
 def _zips_first(runtime_env: dict[str, Any]) -> dict[str, Any]:

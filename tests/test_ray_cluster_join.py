@@ -386,3 +386,39 @@ def test_rollout_workers_get_the_tool_files_not_the_drivers_path(
     assert '"TEXT":"HI"' in tool_messages[0]["content"].replace(" ", ""), tool_messages
     assert records, outcome.explain()
     assert records[0]["extras"]["worker"] == outcome["workers"][0], outcome.explain()
+
+
+def test_a_join_error_keeps_rays_innermost_reason_whole_and_hints_at_the_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The shape Ray 2.60 raises for a refused token: its reason sits in the traceback text
+    that the middle exception quotes; the generic outer message alone says nothing."""
+    from agent_backend.backends.ray import runtime
+
+    hint = "Ensure that the token ... RAY_AUTH_TOKEN_PATH ... " + "x" * 700
+    trace = (
+        "Traceback (most recent call last):\n  File ...\n"
+        f"ray.exceptions.AuthenticationError: RPC error: InvalidAuthToken: {hint}\n"
+    )
+    inner = RuntimeError(f"Failed to connect to GCS. Last connection error: {trace}")
+    try:
+        raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.2:1") from inner
+    except ConnectionError as exc:
+        reason = runtime._ray_reason(exc)
+    assert reason.startswith("ConnectionError: Failed to connect to Ray cluster at 127.0.0.2:1")
+    assert f"InvalidAuthToken: {hint}" in reason  # whole, past describe_cause's 500 characters
+    assert "Traceback" not in reason
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    assert "RAY_AUTH_MODE=token" in runtime._auth_hint("Failed to connect")
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    assert runtime._auth_hint("Failed to connect") == ""
+
+
+def test_the_probe_targets_of_each_address_form() -> None:
+    from agent_backend.backends.ray import runtime
+
+    assert runtime._probe_target("ray://head.example:10002") == ("head.example", 10002)
+    assert runtime._probe_target("ray://head.example") == ("head.example", 10001)
+    assert runtime._probe_target("10.0.0.5:6379") == ("10.0.0.5", 6379)
+    assert runtime._probe_target("[::1]:6379") == ("::1", 6379)
+    assert runtime._probe_target("not an address") is None

@@ -36,6 +36,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import os
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import Any, Final, Literal
 import anyio
 import anyio.abc
 import anyio.to_thread
+import orjson
 import ray
 import ray.exceptions
 
@@ -57,25 +59,25 @@ from agent_backend.backends.ray import (
     describe_when_ready,
     import_function,
 )
-from agent_backend.dispatch import Dispatcher
+from agent_backend.dispatch import Dispatcher, builtin_tools
 from agent_backend.errors import (
     NonFiniteLogprobs,
     RolloutError,
     clip,
 )
-from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout.episode import EpisodeConfig, EpisodeIds, RewardFunction, run_episode
 from agent_backend.rollout.logprobs import NonFiniteCounters, NonFiniteStats
 from agent_backend.rollout.policy import Policy
 from agent_backend.rollout.runner import EpisodeRunner, EpisodeSummary
 from agent_backend.rollout.trajectory import Trajectory
-from agent_backend.tools import ToolRegistry
+from agent_backend.tools import Tool, ToolRegistry, tool_from_definition
 
 __all__ = [
     "RayRolloutStatistics",
     "RayRolloutWorkers",
     "RolloutWorker",
     "RolloutWorkerInfo",
+    "ToolFiles",
     "fetch_batch",
 ]
 
@@ -84,6 +86,39 @@ __all__ = [
 _CONTROL_SLOTS: Final = 3
 #: Seconds the workers get to close their sessions and policy clients before they are killed.
 _CLOSE_TIMEOUT: Final = 15.0
+
+
+# -- what the driver sends ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolFiles:
+    """The tool files of a ``tools_dir``, read and checked on the driver: what a worker builds
+    its registry from, on whichever node it runs (it never reads the driver's folder)."""
+
+    files: tuple[tuple[str, bytes], ...]
+    """``(file name, content)`` of every ``*.json`` file directly in the folder, sorted."""
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike[str]) -> ToolFiles:
+        """Read ``directory``'s tool files; :class:`SchemaError` for a bad one (as
+        ``ToolRegistry.from_dir``, which this checks them with)."""
+        ToolRegistry.from_dir(directory)
+        paths = sorted(path for path in Path(directory).glob("*.json") if path.is_file())
+        return cls(tuple((path.name, path.read_bytes()) for path in paths))
+
+    def tools(self) -> list[Tool]:
+        """The tools the files define (in a worker), named after their file in errors."""
+        tools: list[Tool] = []
+        for name, content in self.files:
+            data = orjson.loads(content)
+            items = data if isinstance(data, list) else [data]
+            pointers = [f"/{i}" for i in range(len(items))] if isinstance(data, list) else [""]
+            tools.extend(
+                tool_from_definition(item, source=name, pointer=pointer)
+                for item, pointer in zip(items, pointers, strict=True)
+            )
+        return tools
 
 
 # -- inside the actor -------------------------------------------------------------------------------
@@ -103,7 +138,7 @@ class RolloutWorker:
         self,
         name: str,
         policy: Mapping[str, Any],
-        tools_dir: str,
+        tool_files: ToolFiles | None,
         functions: Sequence[tuple[str, str | None]],
         tool_pool: Any,
         episode: EpisodeConfig,
@@ -111,7 +146,7 @@ class RolloutWorker:
     ) -> None:
         self.name = name
         self._policy_options = dict(policy)
-        self._tools_dir = tools_dir
+        self._tool_files = tool_files
         self._functions = list(functions)
         self._tool_pool = tool_pool
         self._episode = episode
@@ -145,7 +180,9 @@ class RolloutWorker:
 
         assert self._ready is not None
         try:
-            registry = ToolRegistry.from_dir(self._tools_dir)
+            registry = ToolRegistry(
+                builtin_tools() if self._tool_files is None else self._tool_files.tools()
+            )
             for path, tool_name in self._functions:
                 registry.add_function(import_function(path), name=tool_name)
             async with (
@@ -270,9 +307,12 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
     :class:`~agent_backend.rollout.policy.OpenAICompatiblePolicy`, URL
     included; with ``tokenizer`` a token-in/token-out policy instead:
     :func:`~agent_backend.rollout.tokens.open_policy`) and runs its episodes' tools on ``tool_pool`` (default: its own
-    node, the local pool): the tool files of ``tools_dir`` (default: the
-    built-ins), and the pool file's ``tools``, Python functions imported by
-    each worker and run in it. ``reward`` must pickle.
+    node, the local pool): the tool files of ``tools_dir`` (read here, when
+    the workers are made, and sent to each worker: no node needs the
+    folder; default: the built-ins, the package's own on every node), and
+    the pool file's ``tools``, Python functions imported by each worker
+    (shipped with ``runtime_env``, or installed) and run in it. ``reward``
+    must pickle.
 
     Faults are in the module docstring; the workers' lifecycle, faults and
     queue are :class:`~agent_backend.backends.ray.ActorSupervisor`'s. A
@@ -305,7 +345,8 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
         )
         self.episode = episode or EpisodeConfig()
         self._policy = dict(policy)
-        self._tools_dir = str(tools_dir if tools_dir is not None else BUILTIN_TOOLS_DIR)
+        self.tool_files = None if tools_dir is None else ToolFiles.read(tools_dir)
+        """What the workers get of ``tools_dir`` (None: the built-in tools)."""
         self._tool_pool = tool_pool if tool_pool is not None else DEFAULT_POOL
         self._reward = reward
         self._token = secrets.token_hex(3)
@@ -361,7 +402,13 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
         # carry (extras["worker"]), stays what it was before workers were replaced.
         name = f"{config.name}-rollout-{index}" + (f".{generation}" if generation else "")
         ray_name = f"agent_backend/rollout/{config.name}/{self._token}/{index}.{generation}"
-        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS, **placement)
+        options = actor_options(
+            config,
+            ray_name,
+            control_slots=_CONTROL_SLOTS,
+            runtime_env=self.shipped_runtime_env,
+            **placement,
+        )
         functions = [(tool.function, tool.name) for tool in config.tools]
         handle = (
             _worker_class()
@@ -369,7 +416,7 @@ class RayRolloutWorkers(ActorSupervisor[_Worker], EpisodeRunner):
             .remote(
                 name,
                 self._policy,
-                self._tools_dir,
+                self.tool_files,
                 functions,
                 self._tool_pool,
                 self.episode,

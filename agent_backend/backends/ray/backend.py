@@ -244,7 +244,13 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
         config = self.config
         name = f"{config.name}-{index}.{generation}"
         ray_name = f"agent_backend/{config.name}/{self._pool_id}/{index}.{generation}"
-        options = actor_options(config, ray_name, control_slots=_CONTROL_SLOTS, **placement)
+        options = actor_options(
+            config,
+            ray_name,
+            control_slots=_CONTROL_SLOTS,
+            runtime_env=self.shipped_runtime_env,
+            **placement,
+        )
         handle = (
             _actor_class()
             .options(**options)

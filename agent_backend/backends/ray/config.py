@@ -4,18 +4,29 @@
 into; the tool pool (:class:`~agent_backend.backends.ray.RayBackend`) and the
 rollout workers (:class:`~agent_backend.rollout.ray_workers.RayRolloutWorkers`)
 both read it. Pure data: this module imports neither Ray nor anything that
-does I/O.
+does I/O. The one thing it looks at on disk is that the local folders and
+files a ``runtime_env`` ships (``working_dir``, ``py_modules``) exist, so
+that a wrong path fails at load, naming its key, rather than at start.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, Literal
+from pathlib import Path
+from typing import Annotated, Final, Literal
 
 import pydantic
+from typing_extensions import TypedDict
 
-from agent_backend.config import ConfigModel, ImportPath
+from agent_backend.config import ConfigModel, ConfigPath, ImportPath
 
-__all__ = ["INLINE_FLOOR", "LocalRayConfig", "RayPoolConfig", "RayToolConfig"]
+__all__ = [
+    "INLINE_FLOOR",
+    "URI_SCHEMES",
+    "LocalRayConfig",
+    "RayPoolConfig",
+    "RayRuntimeEnv",
+    "RayToolConfig",
+]
 
 #: Ray returns objects below this size inside the task reply, into the
 #: caller's own memory (``max_direct_call_object_size``): a by-reference
@@ -74,6 +85,57 @@ class RayToolConfig(ConfigModel):
         return {name: amount for name, amount in needed.items() if amount > 0}
 
 
+#: The URI schemes Ray fetches a ``working_dir`` or a ``py_modules`` entry from (Ray 2.60:
+#: its package store, remote storage, and ``local://`` for a folder already on every node).
+URI_SCHEMES: Final = ("gcs", "http", "https", "s3", "gs", "azure", "abfss", "file", "local")
+_MODULE_FILES: Final = (".py", ".zip", ".whl")
+_PATH: Final = pydantic.TypeAdapter(ConfigPath)
+
+
+def _uri_or_path(value: str, info: pydantic.ValidationInfo) -> tuple[str, Path | None]:
+    """``value`` as it will be used: a URI of a scheme Ray fetches (no path), or the local path
+    resolved like any path of a pool file (``~`` expanded, relative to the file's folder)."""
+    scheme, separator, _ = value.partition("://")
+    if separator:
+        if scheme.lower() not in URI_SCHEMES:
+            raise ValueError(
+                f"a URI Ray cannot fetch: {scheme!r} (Ray fetches {', '.join(URI_SCHEMES)}://)"
+            )
+        return value, None
+    resolved = _PATH.validate_python(value, context=info.context)
+    return resolved, Path(resolved)
+
+
+def _check_working_dir(value: str, info: pydantic.ValidationInfo) -> str:
+    value, path = _uri_or_path(value, info)
+    if path is not None and not path.is_dir():
+        what = "not a folder" if path.exists() else "no such folder"
+        raise ValueError(f"{what}: {value} (a local working_dir is a folder, uploaded at start)")
+    return value
+
+
+def _check_py_module(value: str, info: pydantic.ValidationInfo) -> str:
+    value, path = _uri_or_path(value, info)
+    if path is None or path.is_dir():
+        return value
+    if not path.exists():
+        raise ValueError(f"no such folder or file: {value}")
+    if not path.is_file() or path.suffix not in _MODULE_FILES:
+        raise ValueError(f"neither a folder nor a .py, .zip or .whl file: {value}")
+    return value
+
+
+@pydantic.with_config(pydantic.ConfigDict(extra="allow"))
+class RayRuntimeEnv(TypedDict, total=False):
+    """A Ray ``runtime_env`` (a dict): the keys that ship code are checked at load, every other
+    key (``pip``, ``env_vars``, ``excludes``...) is passed to Ray as it is."""
+
+    working_dir: Annotated[str, pydantic.AfterValidator(_check_working_dir)]
+    """A local folder (uploaded to the cluster at start) or a URI Ray fetches (``s3://...zip``)."""
+    py_modules: list[Annotated[str, pydantic.AfterValidator(_check_py_module)]]
+    """Local folders (packages), ``.py``, ``.zip`` or ``.whl`` files (uploaded), or URIs."""
+
+
 def _tool_entry(value: object) -> object:
     return {"function": value} if isinstance(value, str) else value
 
@@ -125,9 +187,12 @@ class RayPoolConfig(ConfigModel):
     max_concurrency: int = pydantic.Field(default=1, ge=1, le=1000)
     """Calls one actor runs at once; more wait in the pool's queue (counting against their
     timeout). Sync tools run in the actor's threads, async ones on its event loop."""
-    runtime_env: dict[str, Any] | None = None
+    runtime_env: RayRuntimeEnv | None = None
     """Ray ``runtime_env`` of the actors (``pip``, ``working_dir``, ``py_modules``,
-    ``env_vars``...): how the tools' code reaches a cluster's nodes."""
+    ``env_vars``...): how the tools' code reaches a cluster's nodes. A local ``working_dir``
+    (a folder) and local ``py_modules`` (folders, ``.py``/``.zip``/``.whl`` files) are checked
+    at load (relative paths: from the pool file's folder) and uploaded to the cluster once
+    per start (content-addressed: an unchanged folder is not sent again)."""
     tools: tuple[Annotated[RayToolConfig, pydantic.BeforeValidator(_tool_entry)], ...] = (
         pydantic.Field(min_length=1)
     )

@@ -1,7 +1,8 @@
 """This process's plumbing to Ray, shared by the Ray tool pool and the Ray rollout workers.
 
 One connection per process (:data:`CONNECTION`: who opened it, how many pools
-use it, closed by the last of them), loopback-only local clusters, the Ray
+use it, closed by the last of them; joining a cluster bounded by
+:data:`CONNECT_TIMEOUT`, its failure told in Ray's own words), loopback-only local clusters, the Ray
 exceptions that mean an actor is gone, a short cause for an error message,
 and where actors go (their options, what the cluster and an actor hold). Blocking calls (``ray.init``, ``ray.kill``) are meant for worker
 threads.
@@ -13,8 +14,9 @@ import contextlib
 import functools
 import math
 import os
+import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 import anyio
@@ -30,6 +32,7 @@ __all__ = [
     "ACTOR_DEATHS",
     "CAUSE_LIMIT",
     "CONNECTION",
+    "CONNECT_TIMEOUT",
     "NODE_ID_LABEL",
     "ActorConfig",
     "ConnectConfig",
@@ -52,6 +55,17 @@ __all__ = [
 
 #: The longest cause :func:`describe_cause` returns.
 CAUSE_LIMIT: Final = 500
+#: Seconds joining a cluster (``address`` set) may take before it fails with
+#: ``BackendUnavailable``: first a TCP connection to the address, then Ray's own attempts to
+#: reach the cluster's GCS (one a second: ``RAY_gcs_server_port_wait_time_s``, unless set).
+#: Ray Client (``ray://``) keeps its own limit (about 30 s when the server never accepts).
+CONNECT_TIMEOUT: Final = 15.0
+#: Ray's knob for how many seconds (attempts) a driver tries to reach a GCS; 20 by default.
+_GCS_WAIT: Final = "RAY_gcs_server_port_wait_time_s"
+#: Ray's token authentication: mode, token, token file (default: ~/.ray/auth_token).
+_AUTH_MODE: Final = "RAY_AUTH_MODE"
+_CLIENT_PORT: Final = 10001
+_REASON_LIMIT: Final = 1500
 
 
 class LocalSpec(Protocol):
@@ -140,11 +154,14 @@ class RayConnection:
                 self._users += 1
                 return True
             if config.address is not None:
-                ray.init(address=config.address, log_to_driver=config.log_to_driver)
+                _join(config.address, log_to_driver=config.log_to_driver)
             else:
                 local = config.local
                 loopback_only()
                 ray.init(
+                    # A new local Ray, always: without "local", ray.init joins the last
+                    # cluster `ray start` left on this machine (or fails on a dead one).
+                    address="local",
                     num_cpus=local.num_cpus,
                     num_gpus=local.num_gpus,
                     object_store_memory=local.object_store_memory,
@@ -180,18 +197,114 @@ def kill_actors(handles: Sequence[Any]) -> None:
             ray.kill(handle, no_restart=True)
 
 
+class _Unreachable(ConnectionError):
+    """Nothing accepts connections at a cluster's address (found before Ray tries)."""
+
+
+def _probe_target(address: str) -> tuple[str, int] | None:
+    """The ``(host, port)`` joining ``address`` connects to first; None when Ray resolves it
+    some other way (``auto`` with no cluster recorded) or it is not ``HOST:PORT``."""
+    if address.startswith("ray://"):
+        host, _, port = address.removeprefix("ray://").partition(":")
+        return (host, int(port)) if port.isdigit() else (host, _CLIENT_PORT)
+    if address == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            resolved = canonicalize_bootstrap_address("auto")
+        except Exception:  # Ray's own ray.init says what is wrong
+            return None
+        if resolved is None:
+            return None
+        address = resolved
+    host, _, port = address.rpartition(":")
+    return (host.strip("[]"), int(port)) if host and port.isdigit() else None
+
+
+def _probe(address: str) -> None:
+    """Fail at once, within :data:`CONNECT_TIMEOUT`, when nothing listens at ``address``: Ray
+    itself would retry for minutes (each attempt waits out its own gRPC timeouts)."""
+    target = _probe_target(address)
+    if target is None:
+        return
+    host, port = target
+    try:
+        with socket.create_connection(target, timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise _Unreachable(
+            f"nothing accepts connections at {host}:{port} ({reason}, within {CONNECT_TIMEOUT:g}s)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _gcs_budget() -> Iterator[None]:
+    """Ray's attempts to reach the GCS bounded by :data:`CONNECT_TIMEOUT` (one a second), for
+    the one ``ray.init`` that joins; an operator's own setting is kept."""
+    if _GCS_WAIT in os.environ:
+        yield
+        return
+    os.environ[_GCS_WAIT] = str(max(1, round(CONNECT_TIMEOUT)))
+    try:
+        yield
+    finally:
+        os.environ.pop(_GCS_WAIT, None)
+
+
+def _join(address: str, *, log_to_driver: bool) -> None:
+    _probe(address)
+    with _gcs_budget():
+        ray.init(address=address, log_to_driver=log_to_driver)
+
+
+def _ray_reason(exc: BaseException) -> str:
+    """What Ray says went wrong, whole (its hints included): the innermost cause, and for a
+    GCS it could not reach, the last line of the attempt's traceback that Ray quotes."""
+    messages: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).strip()
+        head, marker, trace = text.partition("Last connection error: Traceback")
+        if marker:
+            lines = [line.strip() for line in trace.splitlines() if line.strip()]
+            text = " ".join(part for part in (head.strip(), lines[-1] if lines else "") if part)
+        if text:
+            messages.append(text if messages else f"{type(current).__name__}: {text}")
+        current = current.__cause__ or current.__context__
+    return clip(": ".join(dict.fromkeys(messages)), _REASON_LIMIT)
+
+
+def _auth_hint(reason: str) -> str:
+    """Where to look when Ray did not say, and this process is not in token mode."""
+    if os.environ.get(_AUTH_MODE, "").lower() == "token" or _AUTH_MODE in reason:
+        return ""
+    return (
+        f". If the cluster uses Ray's token authentication ({_AUTH_MODE}=token, which `ray "
+        "start` turns on when it finds a token), set RAY_AUTH_MODE=token here too, with the "
+        "cluster's token in RAY_AUTH_TOKEN, in the file RAY_AUTH_TOKEN_PATH names, or in "
+        "~/.ray/auth_token"
+    )
+
+
 def connect(config: ConnectConfig) -> bool:
     """Join or start Ray, or use this process's connection (blocking: call it in a worker thread).
 
-    True when the caller must ``CONNECTION.close()`` when done; a failure is
-    :class:`~agent_backend.errors.BackendUnavailable` naming where.
+    True when the caller must ``CONNECTION.close()`` when done. A failure is
+    :class:`~agent_backend.errors.BackendUnavailable` naming where, with Ray's
+    reason and hint; joining fails within :data:`CONNECT_TIMEOUT` when nothing
+    listens at the address or the GCS does not let this driver in.
     """
     try:
         return CONNECTION.open(config)
     except Exception as exc:
         where = config.address or "a local Ray"
+        reason = _ray_reason(exc)
+        hint = "" if config.address is None or isinstance(exc, _Unreachable) else _auth_hint(reason)
         raise BackendUnavailable(
-            f"cannot connect to {where}: {describe_cause(exc)}",
+            f"cannot connect to {where}: {reason}{hint}",
             backend="ray",
             host=config.address,
         ) from None
@@ -208,8 +321,6 @@ class ActorConfig(Protocol):
     def max_concurrency(self) -> int: ...
     @property
     def resources(self) -> Mapping[str, float]: ...
-    @property
-    def runtime_env(self) -> dict[str, Any] | None: ...
     @property
     def start_timeout(self) -> float: ...
     @property
@@ -230,6 +341,7 @@ def actor_options(
     ray_name: str,
     *,
     control_slots: int,
+    runtime_env: Mapping[str, Any] | None,
     avoid_nodes: frozenset[str] = frozenset(),
     placement_group: Any = None,
     bundle_index: int = 0,
@@ -237,7 +349,10 @@ def actor_options(
     """Ray ``.options()`` for one actor of ``config``: its reservation, concurrency, env, place.
 
     ``control_slots`` are concurrency kept beyond ``max_concurrency`` for the
-    driver's own calls (describe, the death sentinel, close). Ray never
+    driver's own calls (describe, the death sentinel, close). ``runtime_env``
+    is the pool's as shipped at start (``ActorSupervisor.shipped_runtime_env``:
+    local folders replaced by their URIs in the cluster), never the config's
+    own, which Ray refuses per actor when it names local paths. Ray never
     restarts the actor: its owner replaces it and keeps serving meanwhile.
     ``avoid_nodes`` keeps it off nodes known dead or being judged;
     ``placement_group`` (its own, or the pool's for ``strategy = "pack"``)
@@ -253,8 +368,8 @@ def actor_options(
     }
     if config.resources:
         options["resources"] = dict(config.resources)
-    if config.runtime_env is not None:
-        options["runtime_env"] = config.runtime_env
+    if runtime_env is not None:
+        options["runtime_env"] = dict(runtime_env)
     if placement_group is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

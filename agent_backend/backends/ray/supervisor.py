@@ -32,6 +32,7 @@ import anyio.to_thread
 import ray.exceptions
 
 from agent_backend.backends.ray.config import RayPoolConfig
+from agent_backend.backends.ray.packages import ship_runtime_env
 from agent_backend.backends.ray.replicas import ActorSet, Replica
 from agent_backend.backends.ray.runtime import (
     CONNECTION,
@@ -87,6 +88,9 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
         self._done = anyio.Event()
         self._owns_ray = False
+        self.shipped_runtime_env: dict[str, Any] | None = None
+        """The ``runtime_env`` every actor gets (``actor_options(..., runtime_env=)``): the
+        config's, its local ``working_dir``/``py_modules`` uploaded at start (packages.py)."""
         self._stack = contextlib.AsyncExitStack()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._actors = ActorSet[A](
@@ -179,8 +183,10 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self._state = "open"
 
     def _connect(self) -> None:
-        """Join or start Ray, or use this process's connection (blocking: a worker thread)."""
+        """Join or start Ray, or use this process's connection, then upload the pool's local
+        code (blocking: a worker thread)."""
         self._owns_ray = connect(self.config)
+        self.shipped_runtime_env = ship_runtime_env(self.config.runtime_env)
 
     async def aclose(self) -> None:
         """Fail the waiters, stop the background tasks, kill the actors; idempotent."""

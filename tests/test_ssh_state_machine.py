@@ -185,15 +185,16 @@ class SSHPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.stopped)
     @rule(size=st.integers(1, CAPACITY))
     def kill_everything_then_burst(self, size: int) -> None:
-        """After every connection dies, one handshake serves a burst that fits one connection."""
+        """After every connection dies, one handshake serves a burst that fits one connection
+        (the pool's own recheck after the loss, if it started first: never one more)."""
         self.advance(0)
         self.run(self._settle())
+        before = self.host.statistics().handshakes
         for connection in self.host.connections():
             self.killed.add(connection.serial)
             connection.conn.abort()
         self.advance(0.01)
         assert self.host.connections() == []
-        before = self.host.statistics().handshakes
         start = len(self.outcomes)
         for _ in range(size):
             self._start_call(0.0, 3.0)
@@ -511,16 +512,17 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.connector.pending and not self.pool.queued())
     @rule(size=st.integers(1, CAPACITY))
     def lose_everything_then_burst(self, size: int) -> None:
-        """After every connection died, a burst that fits one connection starts one connect."""
+        """After every connection died, a burst that fits one connection starts one connect
+        (counted from the loss: the pool's recheck after it is that one, if it came first)."""
         for lease in list(self.held):
             self.held.remove(lease)
             self.pool.release(lease)
         for connection in self.pool.table.resources():
             self.left[id(connection)] = connection
+        before = self.connector.connects
         self.run(self._cut_all())
         self.settle()
         assert self.pool.table.resources() == []
-        before = self.connector.connects
         self.acquire(size)
         assert self.connector.connects - before == 1
         assert self.pool.connecting == 1

@@ -156,6 +156,9 @@ class ConnectionPool(Generic[C]):
         self._ramp = HandshakeRamp(name, settings)
         self._to_close: list[C] = []
         self.down = False
+        self.lost_last = False
+        """The last open connection was lost, and none has been opened since."""
+        self._rechecking = False
         self.consecutive_failures = 0
         self.last_error = ""
         self.connections_lost = 0
@@ -174,6 +177,13 @@ class ConnectionPool(Generic[C]):
 
     def queued(self) -> int:
         return len(self._waiters)
+
+    def is_suspect(self) -> bool:
+        """Not marked down, but nothing is open and the last connection died or the last
+        handshake failed: placement prefers other hosts until this one answers again."""
+        return (
+            not self.down and not self._table and (self.lost_last or self.consecutive_failures > 0)
+        )
 
     def check_usable(self) -> None:
         if self.state in ("closing", "closed"):
@@ -345,6 +355,7 @@ class ConnectionPool(Generic[C]):
         self._table.add(connection, capacity=self.capacity)
         connection.watch(functools.partial(self._on_connection_lost, connection))
         self.consecutive_failures = 0
+        self.lost_last = False
         self._ramp.succeeded()
         if connection.has_died():
             self._on_connection_lost(connection, None)
@@ -363,6 +374,7 @@ class ConnectionPool(Generic[C]):
             self._fail_waiters(
                 lambda: BackendUnavailable(exc.message, backend="ssh", host=self.name)
             )
+            self._recheck_if_unattended()
         else:
             self._assign()
 
@@ -383,8 +395,13 @@ class ConnectionPool(Generic[C]):
         self.background.spawn(self._probe_until_up, "probe")
 
     async def _probe_until_up(self) -> None:
+        # Probes start probe_interval apart (start to start): a probe that hangs until its
+        # connect timeout on a silent network does not push the next one back, so a host
+        # whose network returns is up within probe_interval plus one handshake.
+        next_probe = self._clock() + self.settings.probe_interval
         while self.is_open() and self.down:
-            await anyio.sleep(self.settings.probe_interval)
+            await anyio.sleep(max(0.0, next_probe - self._clock()))
+            next_probe = self._clock() + self.settings.probe_interval
             if not self.is_open():
                 return
             try:
@@ -408,7 +425,36 @@ class ConnectionPool(Generic[C]):
             self.connections_lost += 1
             logger.info("%s: connection #%d lost: %s", self.name, connection.serial, exc)
             if self.state == "open":
+                if not self._table:
+                    self.lost_last = True
                 self._assign()
+                self._recheck_if_unattended()
+
+    def _recheck_if_unattended(self) -> None:
+        """The last connection died and nobody is reconnecting: find out whether the host is
+        still there now, rather than when the next call has to (which could be never: a host
+        that nothing reaches would stay up, and a call sent there would wait a handshake)."""
+        if (
+            self.lost_last
+            and not self._table
+            and self.connecting == 0
+            and not self.down
+            and not self._rechecking
+            and self.background.is_attached()
+        ):
+            self._rechecking = True
+            self.background.spawn(self._recheck, "recheck")
+
+    async def _recheck(self) -> None:
+        """Reconnect after a loss until a connection is open or the host is marked down."""
+        try:
+            while self.is_open() and not self.down and self.lost_last and not self._table:
+                if self.connecting:  # connectors for queued calls are on it already
+                    return
+                self.connecting += 1
+                await self._connector()
+        finally:
+            self._rechecking = False
 
     async def reap_idle(self) -> int:
         """Close the connections idle past ``idle_ttl`` (only unleased, still-registered ones)."""

@@ -31,7 +31,11 @@ shielded from cancellation (the httpcore shape).
 Reconnects are single-flight by accounting: callers that find a connection dead
 (it leaves the table once, in :meth:`ConnectionPool._on_connection_lost`) queue
 as waiters, and connectors are started only for demand that connections already
-being opened will not cover.
+being opened will not cover. The one connector started without demand is the
+recheck after the *last* connection was lost: until it reconnects or the host is
+marked down, the host is suspect (:meth:`ConnectionPool.is_suspect`) and placement
+prefers other hosts, so that a host whose network went silent is found out by the
+pool rather than by the next calls sent to it.
 
 This module knows no SSH: it must never do transport I/O itself (only through
 its connector), close a connection that holds a lease, add a connection after

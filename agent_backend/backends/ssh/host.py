@@ -296,6 +296,7 @@ class SSHHost(Host):
             except BaseException:
                 pool.release(lease)
                 raise
+            pool.channel_opened(connection)
             try:
                 return await self._drive(
                     connection, channel, protocol, token, stdin, started, deadline

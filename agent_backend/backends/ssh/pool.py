@@ -77,13 +77,15 @@ class PooledConnection:
     which reports its death through the callback given to :meth:`watch`.
     """
 
-    __slots__ = ("lost", "open_channels", "restore_at", "serial")
+    __slots__ = ("lost", "open_channels", "refused_in_a_row", "restore_at", "serial")
 
     def __init__(self, serial: int) -> None:
         self.serial = serial
         self.lost = False
         """The pool saw it die (it left the table)."""
         self.open_channels = 0
+        self.refused_in_a_row = 0
+        """Channel opens refused since the last one that succeeded."""
         self.restore_at: float | None = None
         """When a capacity lowered after a channel refusal goes back up."""
 
@@ -272,17 +274,30 @@ class ConnectionPool(Generic[C]):
         if self.state == "open":
             self._assign()
 
+    def channel_opened(self, connection: C) -> None:
+        """A channel opened on ``connection``: its refusals so far were transient."""
+        connection.refused_in_a_row = 0
+
     def channel_refused(self, connection: C, reason: str) -> None:
-        """The host refused a channel: carry at most the channels open now, for a while.
+        """The host refused a channel: after a second refusal in a row, carry at most the
+        channels open now, for a while.
 
         Either sshd's MaxSessions is below max_channels_per_connection, or sshd has
         not yet freed sessions that were just closed (it frees them lazily). The
-        lowered capacity is restored after :data:`CAPACITY_COOLDOWN` seconds; if the
-        limit is real, the next refusal lowers it again.
+        latter is transient and common under load (a few in a thousand opens at 64
+        callers); lowering the capacity for it cost a slot per refusal for
+        :data:`CAPACITY_COOLDOWN` seconds, about a tenth of the throughput. So one
+        refusal only makes the call retry; a limit that is real refuses the retry
+        too, and the second refusal in a row (with no open in between) lowers the
+        capacity. It is restored after the cooldown; if the limit is real, the next
+        refusals lower it again.
         """
         self.channel_refusals += 1
+        connection.refused_in_a_row += 1
         open_now = connection.open_channels
         if not self._table.is_registered(connection) or open_now < 1:
+            return
+        if connection.refused_in_a_row < 2:
             return
         capacity = self._table.capacity_of(connection)
         connection.restore_at = self._clock() + CAPACITY_COOLDOWN

@@ -4,8 +4,11 @@
 #   ensure-system-deps.sh build   a C compiler and Python's headers, for the optional
 #                                 accelerator agent_backend.schema._plain (setup.py);
 #                                 without them the install still works, slower
-#   ensure-system-deps.sh test    OpenSSH's sshd for the SSH tests; under CI=true a
-#                                 missing sshd that cannot be installed fails here, loudly
+#   ensure-system-deps.sh test    OpenSSH's sshd for the SSH tests, iproute2 (ip, tc) and
+#                                 nftables for the SSH fleet tests (separate hosts in network
+#                                 namespaces; nft drops packets where the kernel has no netem);
+#                                 under CI=true a missing one that cannot be installed fails
+#                                 here, loudly
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -47,6 +50,23 @@ test_deps() {
       exit 1
     else
       echo "warning: sshd is missing; SSH tests will be skipped (run as root to install it)" >&2
+    fi
+  fi
+  local net=()
+  command -v ip >/dev/null 2>&1 || net+=(iproute2)
+  command -v tc >/dev/null 2>&1 || net+=(iproute2)
+  command -v nft >/dev/null 2>&1 || net+=(nftables)
+  if [ ${#net[@]} -gt 0 ]; then
+    # shellcheck disable=SC2207 # package names have no spaces
+    net=($(printf '%s\n' "${net[@]}" | sort -u))
+    if can_apt; then
+      echo "installing ${net[*]} for the SSH fleet tests..."
+      apt_install "${net[@]}"
+    elif [ "${CI:-}" = "true" ]; then
+      echo "${net[*]} missing and cannot be installed (need root and apt-get); the SSH fleet tests require them" >&2
+      exit 1
+    else
+      echo "warning: ${net[*]} missing; SSH fleet tests will be skipped (run as root to install)" >&2
     fi
   fi
 }

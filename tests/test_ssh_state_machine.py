@@ -57,7 +57,13 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from support.ssh_helpers import backend_for, kill_leftovers, processes_matching, unique_duration
+from support.ssh_helpers import (
+    backend_for,
+    kill_leftovers,
+    processes_matching,
+    unique_duration,
+    wait_until,
+)
 from support.sshd import SSHServer
 
 from agent_backend.backends.ssh import SSHBackend, SSHHost
@@ -185,7 +191,9 @@ class SSHPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.stopped)
     @rule(size=st.integers(1, CAPACITY))
     def kill_everything_then_burst(self, size: int) -> None:
-        """After every connection dies, one handshake serves a burst that fits one connection."""
+        """After every connection dies, one new connection serves a burst that fits one
+        (the pool's own recheck after the loss, or a handshake already in flight, may be that
+        one: never one more). Serials count successful handshakes only."""
         self.advance(0)
         self.run(self._settle())
         for connection in self.host.connections():
@@ -193,14 +201,14 @@ class SSHPoolMachine(RuleBasedStateMachine):
             connection.conn.abort()
         self.advance(0.01)
         assert self.host.connections() == []
-        before = self.host.statistics().handshakes
         start = len(self.outcomes)
         for _ in range(size):
             self._start_call(0.0, 3.0)
         self.run(self._settle())
         burst = self.outcomes[start:]
         assert all(isinstance(o.value, CommandResult) for o in burst), [o.value for o in burst]
-        assert self.host.statistics().handshakes - before == 1
+        fresh = [c for c in self.host.connections() if c.serial not in self.killed]
+        assert len(fresh) == 1, fresh
 
     async def _settle(self) -> None:
         """Wait (bounded) for every call in flight to end."""
@@ -511,16 +519,17 @@ class ConnectionPoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: not self.connector.pending and not self.pool.queued())
     @rule(size=st.integers(1, CAPACITY))
     def lose_everything_then_burst(self, size: int) -> None:
-        """After every connection died, a burst that fits one connection starts one connect."""
+        """After every connection died, a burst that fits one connection starts one connect
+        (counted from the loss: the pool's recheck after it is that one, if it came first)."""
         for lease in list(self.held):
             self.held.remove(lease)
             self.pool.release(lease)
         for connection in self.pool.table.resources():
             self.left[id(connection)] = connection
+        before = self.connector.connects
         self.run(self._cut_all())
         self.settle()
         assert self.pool.table.resources() == []
-        before = self.connector.connects
         self.acquire(size)
         assert self.connector.connects - before == 1
         assert self.pool.connecting == 1
@@ -604,6 +613,65 @@ def test_waiters_fail_typed_when_the_pool_closes() -> None:
             assert len(outcome) == 1
             with pytest.raises(PoolClosed):
                 await pool.lease(object())
+            tg.cancel_scope.cancel()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_losing_the_last_connection_rechecks_the_host_without_waiting_for_calls() -> None:
+    """With no call queued, the pool reconnects after its last connection died; the host is
+    suspect meanwhile (placement prefers others), down after down_after_failures failures."""
+
+    async def main() -> None:
+        connector = StandInConnector()
+        settings = SSHHostSettings(
+            idle_ttl=0,
+            connect_retries=0,
+            down_after_failures=2,
+            retry_backoff=0.001,
+            retry_backoff_max=0.001,
+            probe_interval=60,
+        )
+        pool: ConnectionPool[StandInConnection] = ConnectionPool("stand-in", settings, connector)
+
+        async def handshake_pending() -> None:
+            assert await wait_until(
+                lambda: bool(connector.pending) and not connector.pending[0].done(),
+                within=5,
+                step=0.001,
+            )
+
+        async with anyio.create_task_group() as tg:
+            pool.start(tg)
+            with anyio.fail_after(5):
+                leases: list[Lease[StandInConnection]] = []
+
+                async def take() -> None:
+                    leases.append(await pool.lease(object()))
+
+                tg.start_soon(take)
+                await handshake_pending()
+                connector.pending.pop(0).set_result(True)
+                assert await wait_until(lambda: bool(leases), within=5, step=0.001)
+                (connection,) = pool.table.resources()
+                pool.release(leases[0])
+                assert not pool.is_suspect()
+
+                connection.die()
+                await handshake_pending()  # nobody called: the pool's own recheck
+                assert connector.connects == 2
+                assert pool.is_suspect()
+                assert pool.queued() == 0
+                connector.pending.pop(0).set_result(False)
+                await handshake_pending()  # not down yet: it tries again
+                assert pool.is_suspect()
+                assert not pool.down
+                connector.pending.pop(0).set_result(False)
+                assert await wait_until(lambda: pool.down, within=5, step=0.001)
+                assert not pool.is_suspect()  # down now: is_up() says so, not suspicion
+                assert connector.connects == 3
+            pool.begin_close()
             tg.cancel_scope.cancel()
 
     asyncio.run(main())

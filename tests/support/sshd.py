@@ -3,11 +3,13 @@
 :class:`SSHServer` writes host and user keys (``ssh-keygen``), an
 ``authorized_keys`` file, a ``known_hosts`` file for the client and an
 ``sshd_config`` into a directory, then runs ``sshd -D -e -f <config>`` on a
-free loopback port. It can be killed like a crashed host (the listener, every
+free loopback port (or, for a fleet of separate hosts, on a network namespace's own
+address, started with ``ip netns exec``: ``tests/support/netns.py``). It can be killed like a crashed host (the listener, every
 per-connection process and every command they started) and restarted on the
 same port with the same host key.
 
-This module must never listen on anything but 127.0.0.1, never touch the
+This module must never listen on anything but 127.0.0.1 or an address inside a network
+namespace a test made, never touch the
 system sshd or its configuration, and never signal a process it did not start
 (processes are found by walking the process tree down from our own sshd).
 """
@@ -134,7 +136,7 @@ def _signal_all(pids: Iterable[int], sig: int) -> None:
 
 
 class SSHServer:
-    """One sshd on 127.0.0.1:<port>; ``start()``, ``kill()``, ``restart()``, ``stop()``."""
+    """One sshd on 127.0.0.1:<port> (or ``address``); ``start()``, ``kill()``, ``restart()``, ``stop()``."""
 
     def __init__(
         self,
@@ -146,8 +148,14 @@ class SSHServer:
         max_sessions: int = 10,
         max_startups: str = "10:30:100",
         extra_config: Iterable[str] = (),
+        address: str = HOST,
+        netns: str | None = None,
     ) -> None:
         self.directory = directory
+        self.address = address
+        """Where sshd listens (and clients connect): 127.0.0.1, or a namespace's address."""
+        self.netns = netns
+        """The network namespace sshd runs in (``ip netns exec``); None: the current one."""
         self.keys = keys
         self.port = port or unused_port()
         self.user = user or pwd.getpwuid(os.getuid()).pw_name
@@ -175,13 +183,15 @@ class SSHServer:
                     break
                 mode = directory.stat().st_mode
                 directory.chmod(mode | 0o011)  # traversable (no listing) by that user
-        self.known_hosts.write_text(f"[{HOST}]:{self.port} ssh-ed25519 {self.keys.host_public}\n")
+        self.known_hosts.write_text(
+            f"[{self.address}]:{self.port} ssh-ed25519 {self.keys.host_public}\n"
+        )
         root_login = "PermitRootLogin prohibit-password" if self.user == "root" else ""
         # sshd keeps the first value it reads for a keyword: extra lines come first to win.
         lines = [
             *self.extra_config,
             f"Port {self.port}",
-            f"ListenAddress {HOST}",
+            f"ListenAddress {self.address}",
             f"HostKey {self.keys.host_key}",
             f"PidFile {self.directory / 'sshd.pid'}",
             f"AuthorizedKeysFile {self.authorized_keys}",
@@ -212,7 +222,7 @@ class SSHServer:
     def client_options(self, **overrides: Any) -> dict[str, Any]:
         """Keyword arguments for ``SSHHostConfig`` reaching this server (verification on)."""
         options: dict[str, Any] = {
-            "host": HOST,
+            "host": self.address,
             "port": self.port,
             "username": self.user,
             "known_hosts": str(self.known_hosts),
@@ -241,8 +251,10 @@ class SSHServer:
             Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         self.write_files()
         self._log_file = self.log_path.open("ab")
+        # `ip netns exec` enters the namespace and execs sshd: the pid is sshd's own.
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns is not None else []
         self._process = subprocess.Popen(
-            [sshd, "-D", "-e", "-f", str(self.config_path)],
+            [*prefix, sshd, "-D", "-e", "-f", str(self.config_path)],
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=self._log_file,
@@ -253,11 +265,16 @@ class SSHServer:
         while True:
             if self._process.poll() is not None:
                 raise RuntimeError(f"sshd exited with {self._process.returncode}: {self.log()}")
-            with contextlib.suppress(OSError), socket.create_connection((HOST, self.port), 0.2):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((self.address, self.port), 0.2),
+            ):
                 return
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"sshd did not listen on {HOST}:{self.port}: {self.log()}")
+                raise RuntimeError(
+                    f"sshd did not listen on {self.address}:{self.port}: {self.log()}"
+                )
             time.sleep(0.01)
 
     def kill(self) -> None:

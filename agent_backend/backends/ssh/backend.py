@@ -24,7 +24,7 @@ import anyio.lowlevel
 from agent_backend.backends.ssh.config import SSHHostConfig, SSHPoolConfig, SSHStatistics
 from agent_backend.backends.ssh.host import SSHHost
 from agent_backend.dispatch.backend import Backend
-from agent_backend.errors import ConfigError, PoolClosed, PoolError
+from agent_backend.errors import BackendUnavailable, ConfigError, PoolClosed, PoolError
 
 __all__ = ["SSHBackend"]
 
@@ -69,6 +69,20 @@ class SSHBackend(Backend):
             f"<SSHBackend {len(self._hosts)} hosts [leases: {s.leases_active} active,"
             f" {s.leases_queued} queued | conns: {s.connections_open} open, {s.connections_idle} idle]{state}>"
         )
+
+    def pick_host(self) -> SSHHost:
+        """The least-loaded host that is up, preferring hosts not suspect.
+
+        A host that just lost its connections, or whose last handshake failed, is still up
+        (it may come back at once) but would make a call wait a handshake that may time out;
+        while another host is healthy, calls go there. Least-loaded alone would even prefer
+        it: calls to a broken host fail fast, so it always looks idle.
+        """
+        up = [host for host in self._hosts if host.is_up()]
+        if not up:
+            raise BackendUnavailable(f"no {self.kind} host is up", backend=self.kind)
+        healthy = [host for host in up if not host.is_suspect()] or up
+        return min(healthy, key=lambda host: host.calls_in_flight())
 
     async def start(self) -> None:
         if self._state != "new":

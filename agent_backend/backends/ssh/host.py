@@ -97,6 +97,11 @@ class SSHHost(Host):
     def is_closed(self) -> bool:
         return self.pool.state in ("closing", "closed")
 
+    def is_suspect(self) -> bool:
+        """Up, but its connections died or its last handshake failed and nothing is open:
+        the backend places calls elsewhere while it finds out (reconnects, or marks it down)."""
+        return self.pool.is_suspect()
+
     def calls_in_flight(self) -> int:
         """Calls in flight: holding a channel slot, or queued for one."""
         return self.pool.table.active_leases() + self.pool.queued()
@@ -291,6 +296,7 @@ class SSHHost(Host):
             except BaseException:
                 pool.release(lease)
                 raise
+            pool.channel_opened(connection)
             try:
                 return await self._drive(
                     connection, channel, protocol, token, stdin, started, deadline

@@ -31,7 +31,11 @@ shielded from cancellation (the httpcore shape).
 Reconnects are single-flight by accounting: callers that find a connection dead
 (it leaves the table once, in :meth:`ConnectionPool._on_connection_lost`) queue
 as waiters, and connectors are started only for demand that connections already
-being opened will not cover.
+being opened will not cover. The one connector started without demand is the
+recheck after the *last* connection was lost: until it reconnects or the host is
+marked down, the host is suspect (:meth:`ConnectionPool.is_suspect`) and placement
+prefers other hosts, so that a host whose network went silent is found out by the
+pool rather than by the next calls sent to it.
 
 This module knows no SSH: it must never do transport I/O itself (only through
 its connector), close a connection that holds a lease, add a connection after
@@ -73,13 +77,15 @@ class PooledConnection:
     which reports its death through the callback given to :meth:`watch`.
     """
 
-    __slots__ = ("lost", "open_channels", "restore_at", "serial")
+    __slots__ = ("lost", "open_channels", "refused_in_a_row", "restore_at", "serial")
 
     def __init__(self, serial: int) -> None:
         self.serial = serial
         self.lost = False
         """The pool saw it die (it left the table)."""
         self.open_channels = 0
+        self.refused_in_a_row = 0
+        """Channel opens refused since the last one that succeeded."""
         self.restore_at: float | None = None
         """When a capacity lowered after a channel refusal goes back up."""
 
@@ -156,6 +162,9 @@ class ConnectionPool(Generic[C]):
         self._ramp = HandshakeRamp(name, settings)
         self._to_close: list[C] = []
         self.down = False
+        self.lost_last = False
+        """The last open connection was lost, and none has been opened since."""
+        self._rechecking = False
         self.consecutive_failures = 0
         self.last_error = ""
         self.connections_lost = 0
@@ -174,6 +183,13 @@ class ConnectionPool(Generic[C]):
 
     def queued(self) -> int:
         return len(self._waiters)
+
+    def is_suspect(self) -> bool:
+        """Not marked down, but nothing is open and the last connection died or the last
+        handshake failed: placement prefers other hosts until this one answers again."""
+        return (
+            not self.down and not self._table and (self.lost_last or self.consecutive_failures > 0)
+        )
 
     def check_usable(self) -> None:
         if self.state in ("closing", "closed"):
@@ -258,17 +274,30 @@ class ConnectionPool(Generic[C]):
         if self.state == "open":
             self._assign()
 
+    def channel_opened(self, connection: C) -> None:
+        """A channel opened on ``connection``: its refusals so far were transient."""
+        connection.refused_in_a_row = 0
+
     def channel_refused(self, connection: C, reason: str) -> None:
-        """The host refused a channel: carry at most the channels open now, for a while.
+        """The host refused a channel: after a second refusal in a row, carry at most the
+        channels open now, for a while.
 
         Either sshd's MaxSessions is below max_channels_per_connection, or sshd has
         not yet freed sessions that were just closed (it frees them lazily). The
-        lowered capacity is restored after :data:`CAPACITY_COOLDOWN` seconds; if the
-        limit is real, the next refusal lowers it again.
+        latter is transient and common under load (a few in a thousand opens at 64
+        callers); lowering the capacity for it cost a slot per refusal for
+        :data:`CAPACITY_COOLDOWN` seconds, about a tenth of the throughput. So one
+        refusal only makes the call retry; a limit that is real refuses the retry
+        too, and the second refusal in a row (with no open in between) lowers the
+        capacity. It is restored after the cooldown; if the limit is real, the next
+        refusals lower it again.
         """
         self.channel_refusals += 1
+        connection.refused_in_a_row += 1
         open_now = connection.open_channels
         if not self._table.is_registered(connection) or open_now < 1:
+            return
+        if connection.refused_in_a_row < 2:
             return
         capacity = self._table.capacity_of(connection)
         connection.restore_at = self._clock() + CAPACITY_COOLDOWN
@@ -345,6 +374,7 @@ class ConnectionPool(Generic[C]):
         self._table.add(connection, capacity=self.capacity)
         connection.watch(functools.partial(self._on_connection_lost, connection))
         self.consecutive_failures = 0
+        self.lost_last = False
         self._ramp.succeeded()
         if connection.has_died():
             self._on_connection_lost(connection, None)
@@ -363,6 +393,7 @@ class ConnectionPool(Generic[C]):
             self._fail_waiters(
                 lambda: BackendUnavailable(exc.message, backend="ssh", host=self.name)
             )
+            self._recheck_if_unattended()
         else:
             self._assign()
 
@@ -383,8 +414,13 @@ class ConnectionPool(Generic[C]):
         self.background.spawn(self._probe_until_up, "probe")
 
     async def _probe_until_up(self) -> None:
+        # Probes start probe_interval apart (start to start): a probe that hangs until its
+        # connect timeout on a silent network does not push the next one back, so a host
+        # whose network returns is up within probe_interval plus one handshake.
+        next_probe = self._clock() + self.settings.probe_interval
         while self.is_open() and self.down:
-            await anyio.sleep(self.settings.probe_interval)
+            await anyio.sleep(max(0.0, next_probe - self._clock()))
+            next_probe = self._clock() + self.settings.probe_interval
             if not self.is_open():
                 return
             try:
@@ -408,7 +444,36 @@ class ConnectionPool(Generic[C]):
             self.connections_lost += 1
             logger.info("%s: connection #%d lost: %s", self.name, connection.serial, exc)
             if self.state == "open":
+                if not self._table:
+                    self.lost_last = True
                 self._assign()
+                self._recheck_if_unattended()
+
+    def _recheck_if_unattended(self) -> None:
+        """The last connection died and nobody is reconnecting: find out whether the host is
+        still there now, rather than when the next call has to (which could be never: a host
+        that nothing reaches would stay up, and a call sent there would wait a handshake)."""
+        if (
+            self.lost_last
+            and not self._table
+            and self.connecting == 0
+            and not self.down
+            and not self._rechecking
+            and self.background.is_attached()
+        ):
+            self._rechecking = True
+            self.background.spawn(self._recheck, "recheck")
+
+    async def _recheck(self) -> None:
+        """Reconnect after a loss until a connection is open or the host is marked down."""
+        try:
+            while self.is_open() and not self.down and self.lost_last and not self._table:
+                if self.connecting:  # connectors for queued calls are on it already
+                    return
+                self.connecting += 1
+                await self._connector()
+        finally:
+            self._rechecking = False
 
     async def reap_idle(self) -> int:
         """Close the connections idle past ``idle_ttl`` (only unleased, still-registered ones)."""

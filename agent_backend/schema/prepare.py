@@ -329,8 +329,9 @@ def compile_schema(
 
 
 _CACHE_SIZE = 512
-# id(schema) -> (schema, its compiled prepare). Holding the schema keeps its id from being reused.
-_cache: dict[int, tuple[object, PrepareFn]] = {}
+# id(schema) -> (schema, its compiled prepare, and what a valid dict's fast path needs: the
+# validator's is_valid, max_depth, max_bytes). Holding the schema keeps its id from being reused.
+_cache: dict[int, tuple[object, PrepareFn, Callable[[Any], bool], int, int]] = {}
 _cache_lock = threading.Lock()
 
 
@@ -340,12 +341,19 @@ def _compiled_for(schema: Mapping[str, Any] | bool | CompiledSchema) -> PrepareF
     entry = _cache.get(id(schema))
     if entry is not None and entry[0] is schema:
         return entry[1]
-    prepare = CompiledSchema(schema).prepare
+    compiled = CompiledSchema(schema)
+    limits = compiled.limits
     with _cache_lock:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))
-        _cache[id(schema)] = (schema, prepare)
-    return prepare
+        _cache[id(schema)] = (
+            schema,
+            compiled.prepare,
+            compiled._is_valid,
+            limits.max_depth,
+            limits.max_bytes,
+        )
+    return compiled.prepare
 
 
 def prepare_arguments(
@@ -363,11 +371,16 @@ def prepare_arguments(
     :class:`ToolArgumentError` for anything that cannot be made valid, and
     :class:`SchemaError` for a malformed schema.
     """
-    try:
-        cached, prepare = _cache[id(schema)]
-        if cached is not schema:  # another schema that had the same id
-            prepare = _compiled_for(schema)
-    except KeyError:
+    # A valid dict for a schema dict seen before, inlined (one call less on the hot path):
+    # what CompiledSchema.prepare does first for a dict, with the same copy and validator.
+    entry = _cache.get(id(schema))
+    if entry is not None and entry[0] is schema:
+        if type(arguments) is dict and tool is None and not inject_defaults:
+            value = plain_copy(arguments, entry[3], entry[4])
+            if value is not None and entry[2](value):
+                return value
+        prepare = entry[1]
+    else:
         prepare = _compiled_for(schema)
     if tool is None and not inject_defaults:
         return prepare(arguments)

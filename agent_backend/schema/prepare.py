@@ -37,7 +37,7 @@ from agent_backend.schema.parse import (
     parse_arguments,
     shallow_enough,
 )
-from agent_backend.schema.plain import plain_copy
+from agent_backend.schema.plain import plain_copy, valid_copy
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -302,9 +302,11 @@ def _check_against_meta_schema(schema: dict[str, Any] | bool, source: str | None
     """
     if isinstance(schema, bool):
         return
+    known_invalid = False
     try:
         if jsonschema_rs.meta.is_valid(schema):
             return
+        known_invalid = True
     except (ValueError, jsonschema_rs.ReferencingError):
         pass  # an unknown $schema: let the reference implementation judge
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -315,6 +317,17 @@ def _check_against_meta_schema(schema: dict[str, Any] | bool, source: str | None
             f"not a valid JSON Schema: {exc.message[:300]}",
             source=source,
             pointer=pointer_of(exc.absolute_path),
+        ) from None
+    except RecursionError:
+        # The reference implementation recurses several frames per level: about 120
+        # levels of a malformed schema exhaust the stack before it names the problem.
+        reason = (
+            "not a valid JSON Schema"
+            if known_invalid
+            else "the schema cannot be checked against its meta-schema"
+        )
+        raise SchemaError(
+            f"{reason} (nested too deeply to name the problem)", source=source
         ) from None
 
 
@@ -371,17 +384,14 @@ def prepare_arguments(
     :class:`ToolArgumentError` for anything that cannot be made valid, and
     :class:`SchemaError` for a malformed schema.
     """
-    # A valid dict for a schema dict seen before, inlined (one call less on the hot path):
-    # what CompiledSchema.prepare does first for a dict, with the same copy and validator.
+    # A valid dict for a schema dict seen before, in one call (the hot path): what
+    # CompiledSchema.prepare does first for a dict, with the same copy and validator.
+    if tool is None and not inject_defaults:
+        value = valid_copy(_cache, schema, arguments)
+        if value is not None:
+            return value
     entry = _cache.get(id(schema))
-    if entry is not None and entry[0] is schema:
-        if type(arguments) is dict and tool is None and not inject_defaults:
-            value = plain_copy(arguments, entry[3], entry[4])
-            if value is not None and entry[2](value):
-                return value
-        prepare = entry[1]
-    else:
-        prepare = _compiled_for(schema)
+    prepare = entry[1] if entry is not None and entry[0] is schema else _compiled_for(schema)
     if tool is None and not inject_defaults:
         return prepare(arguments)
     return prepare(arguments, tool, inject_defaults)

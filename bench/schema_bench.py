@@ -54,7 +54,12 @@ from support.realworld import (  # noqa: E402
 from agent_backend.errors import AgentBackendError  # noqa: E402
 from agent_backend.schema import compile_schema, prepare_arguments  # noqa: E402
 from agent_backend.schema import prepare as prepare_module  # noqa: E402
-from agent_backend.schema.plain import ACCELERATED, plain_copy, plain_copy_python  # noqa: E402
+from agent_backend.schema.plain import (  # noqa: E402
+    ACCELERATED,
+    plain_copy,
+    plain_copy_python,
+    valid_copy_python,
+)
 
 
 def find_shared_data() -> None:
@@ -165,8 +170,9 @@ def python_copy_ratio(
 ) -> float:
     """Median jsonschema is_valid / prepare_arguments (valid dict) with the pure-Python copy."""
     ratios = []
-    saved = prepare_module.plain_copy
-    prepare_module.plain_copy = plain_copy_python  # the fast path looks it up on every call
+    saved = prepare_module.plain_copy, prepare_module.valid_copy
+    # The fast paths look them up on every call.
+    prepare_module.plain_copy, prepare_module.valid_copy = plain_copy_python, valid_copy_python
     try:
         for _, schema, args, _ in cases:
             validator = jsonschema.Draft202012Validator(schema)
@@ -179,7 +185,7 @@ def python_copy_ratio(
             )
             ratios.append(timings["jsonschema_is_valid"] / timings["prepare_valid_dict"])
     finally:
-        prepare_module.plain_copy = saved
+        prepare_module.plain_copy, prepare_module.valid_copy = saved
     return statistics.median(ratios)
 
 

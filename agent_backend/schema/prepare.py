@@ -58,6 +58,7 @@ class CompiledSchema:
         "_is_valid",
         "_sub_validators",
         "_validator",
+        "_validators_by_text",
         "defs",
         "dialect",
         "limits",
@@ -124,6 +125,7 @@ class CompiledSchema:
         built once per schema (the hot path), falling back to the full pipeline.
         """
         self._sub_validators: dict[int, tuple[Any, Validator]] = {}
+        self._validators_by_text: dict[bytes, Validator] = {}
         self._coercers = tuple(
             Coercer(
                 self.resolved,
@@ -182,9 +184,22 @@ class CompiledSchema:
     def _subschema_accepts(self, node: Any, value: Any) -> bool:
         entry = self._sub_validators.get(id(node))
         if entry is None:
-            entry = (node, self._compile_subschema(node))
+            entry = (node, self._validator_of(node))
             self._sub_validators[id(node)] = entry
         return bool(entry[1].is_valid(value))
+
+    def _validator_of(self, node: Any) -> Validator:
+        """One validator per distinct subschema text: resolving copies a subschema to every
+        place that uses it (1,000 properties that are each ``{"$ref": "#"}`` are 1,000
+        nodes), and a validator that holds the root's ``$defs`` takes milliseconds."""
+        try:
+            text = orjson.dumps(node, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # an integer beyond 64 bits: compiled on its own
+            return self._compile_subschema(node)
+        validator = self._validators_by_text.get(text)
+        if validator is None:
+            validator = self._validators_by_text[text] = self._compile_subschema(node)
+        return validator
 
     def _compile_subschema(self, node: Any) -> Validator:
         wrapper: dict[str, Any] = {"$schema": self.dialect.meta_schema_uri, "allOf": [node]}

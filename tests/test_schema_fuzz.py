@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @settings(
-    max_examples=600,  # about 30 s of CPU
+    max_examples=900,  # 30-40 s of CPU
     deadline=None,
     database=None,
     suppress_health_check=list(HealthCheck),

@@ -92,3 +92,15 @@ def test_the_check_does_not_recurse() -> None:
     with pytest.raises(SchemaError):
         check_json_shape(deep)
     check_json_shape(deep, max_depth=sys.getrecursionlimit() * 30)  # walks it, iteratively
+
+
+@pytest.mark.parametrize("kind", ["oneOf", "anyOf", "allOf", "not"])
+@pytest.mark.parametrize("levels", [120, 180])
+def test_a_deep_malformed_schema_raises_schema_error(kind: str, levels: int) -> None:
+    """The reference checker that names a malformed schema's problem recurses several frames
+    per level; found by bench/schema_fuzz.py: RecursionError at 120 levels, now SchemaError."""
+    leaf: Any = {"anyOf": True}  # malformed: anyOf takes a list
+    for _ in range(levels):
+        leaf = {"not": leaf} if kind == "not" else {kind: [leaf]}
+    with pytest.raises(SchemaError, match="not a valid JSON Schema"):
+        compile_schema({"type": "object", "properties": {"x": leaf}})

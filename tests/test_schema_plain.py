@@ -24,7 +24,13 @@ from agent_backend.errors import ConfigError, ToolArgumentError
 from agent_backend.schema import Limits, compile_schema
 from agent_backend.schema import plain as plain_module
 from agent_backend.schema import prepare as prepare_module
-from agent_backend.schema.plain import ACCELERATED, plain_copy, plain_copy_python
+from agent_backend.schema.plain import (
+    ACCELERATED,
+    plain_copy,
+    plain_copy_python,
+    valid_copy,
+    valid_copy_python,
+)
 
 accelerated = pytest.mark.skipif(not ACCELERATED, reason="the C accelerator is not built")
 
@@ -351,8 +357,10 @@ def test_the_accelerator_is_built_under_ci() -> None:
         )
     # The fast path calls the implementation plain.py selected: the compiled one when built.
     assert prepare_module.plain_copy is plain_module.plain_copy
+    assert prepare_module.valid_copy is plain_module.valid_copy
     expected = "agent_backend.schema._plain" if ACCELERATED else "agent_backend.schema.plain"
     assert plain_module.plain_copy.__module__ == expected
+    assert plain_module.valid_copy.__module__ == expected
 
 
 SCHEMAS = [
@@ -386,3 +394,49 @@ def test_prepare_answers_the_same_with_either_copy(index: int, value: dict[Any, 
     assert all(answer == answers[0] for answer in answers), answers
     if answers[0][0] == "ok":
         assert is_json(answers[0][1])
+
+
+# -- valid_copy: prepare_arguments' hot path in one call -------------------------------------
+
+VALID_COPIES: list[Any] = [valid_copy_python]
+if ACCELERATED:
+    VALID_COPIES.append(valid_copy)
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+@pytest.mark.parametrize("fast", VALID_COPIES, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
+@given(value=objects(odd=True))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_valid_copy_is_the_copy_of_what_validates_else_none(
+    index: int, fast: Any, value: dict[Any, Any]
+) -> None:
+    schema = SCHEMAS[index]
+    compiled = compile_schema(schema)
+    cache = {id(schema): (schema, compiled.prepare, compiled.is_valid, 64, 1_000_000)}
+    out = fast(cache, schema, value)
+    copied = plain_copy_python(value, 64, 1_000_000)
+    if copied is None or not compiled.is_valid(copied):
+        assert out is None
+        return
+    assert out == copied
+    assert is_json(out)
+    assert out is not value
+    assert not any(id(c) in {id(d) for d in containers(value)} for c in containers(out))
+
+
+@pytest.mark.parametrize("fast", VALID_COPIES, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
+def test_valid_copy_only_for_the_very_schema_of_the_entry(fast: Any) -> None:
+    schema: dict[str, Any] = {"type": "object"}
+    other: dict[str, Any] = {"type": "object"}
+    compiled = compile_schema(schema)
+    entry = (schema, compiled.prepare, compiled.is_valid, 64, 1_000_000)
+    value = {"a": [1, {"b": None}]}
+    assert fast({id(schema): entry}, schema, value) == value
+    assert fast({id(other): entry}, other, value) is None  # an id reused by another schema
+    assert fast({}, schema, value) is None
+    assert fast({id(schema): entry}, schema, '{"a": 1}') is None  # text takes the parse path
+    assert fast({id(schema): entry}, schema, {"a": {1, 2}}) is None  # not plain
+    refusing = (schema, compiled.prepare, lambda value: False, 64, 1_000_000)
+    assert fast({id(schema): refusing}, schema, value) is None
+    shallow = (schema, compiled.prepare, compiled.is_valid, 1, 1_000_000)
+    assert fast({id(schema): shallow}, schema, value) is None  # the depth bound holds

@@ -220,10 +220,71 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* valid_copy(cache, schema, value) -> dict | None
+ *
+ * prepare_arguments' hot path in one call: ``cache[id(schema)]`` is an entry
+ * ``(schema, prepare, is_valid, max_depth, max_bytes)`` for this very schema,
+ * ``value`` is a dict, its checked copy (as plain_copy makes it) exists and
+ * ``is_valid(copy)`` is true: then the copy; else None (the caller takes its
+ * full path, which copies, checks and validates again and says what is wrong).
+ * is_valid runs on the copy, which only this call holds, after the copy is
+ * complete and the garbage collector back on. */
+static PyObject *
+valid_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "valid_copy(cache, schema, value) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *cache = args[0], *schema = args[1], *value = args[2];
+    if (Py_TYPE(value) != &PyDict_Type || !PyDict_CheckExact(cache))
+        Py_RETURN_NONE;
+    PyObject *key = PyLong_FromVoidPtr(schema); /* id(schema) */
+    if (key == NULL)
+        return NULL;
+    PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
+    Py_DECREF(key);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
+        PyTuple_GET_ITEM(entry, 0) != schema)
+        Py_RETURN_NONE;
+    Py_INCREF(entry); /* held while is_valid runs: a concurrent eviction cannot free it */
+    PyObject *is_valid = PyTuple_GET_ITEM(entry, 2);
+    PyObject *bounds[2] = {PyTuple_GET_ITEM(entry, 3), PyTuple_GET_ITEM(entry, 4)};
+    PyObject *copy_args[3] = {value, bounds[0], bounds[1]};
+    PyObject *copied = plain_copy(NULL, copy_args, 3);
+    if (copied == NULL || copied == Py_None) {
+        Py_DECREF(entry);
+        return copied;
+    }
+    PyObject *verdict = PyObject_CallOneArg(is_valid, copied);
+    Py_DECREF(entry);
+    if (verdict == NULL) {
+        Py_DECREF(copied);
+        return NULL;
+    }
+    int ok = PyObject_IsTrue(verdict);
+    Py_DECREF(verdict);
+    if (ok == 1)
+        return copied;
+    Py_DECREF(copied);
+    if (ok < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef plain_methods[] = {
     {"plain_copy", (PyCFunction)(void (*)(void))plain_copy, METH_FASTCALL,
      "plain_copy(value, max_depth, max_bytes) -> dict | None\n\n"
      "A deep copy of a plain JSON object within the bounds, or None."},
+    {"valid_copy", (PyCFunction)(void (*)(void))valid_copy, METH_FASTCALL,
+     "valid_copy(cache, schema, value) -> dict | None\n\n"
+     "prepare_arguments' hot path: the checked copy of value when cache[id(schema)]\n"
+     "is schema's entry and its is_valid accepts the copy; else None."},
     {NULL, NULL, 0, NULL},
 };
 

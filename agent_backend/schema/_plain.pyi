@@ -1,3 +1,6 @@
 from typing import Any
 
 def plain_copy(value: Any, max_depth: int, max_bytes: int, /) -> dict[str, Any] | None: ...
+def valid_copy(
+    cache: dict[int, tuple[Any, ...]], schema: Any, value: Any, /
+) -> dict[str, Any] | None: ...

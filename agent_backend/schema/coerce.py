@@ -155,6 +155,9 @@ class Coercer:
             types = _declared_types(node)
             convert = self._types_step(types) if types is not None else None
             return keep if types is None or convert is None else type_fix(types, convert)
+        types = _declared_types(node)
+        if types is not None and len(types) > 1 and "$ref" not in node:
+            return self._types_union(node, types)
         ref = node.get("$ref")
         target = self._lookup(ref) if isinstance(ref, str) else None
         via_ref: Fix | None = None
@@ -164,7 +167,6 @@ class Coercer:
                 return via_ref
             if via_ref is keep:
                 via_ref = None
-        types = _declared_types(node)
         members: list[Any] | None = None
         if "const" in node:
             members = [node["const"]]
@@ -211,7 +213,7 @@ class Coercer:
         for kind, name, descend in ((dict, "object", objects), (list, "array", arrays)):
             # An enum or const never converts a container, and neither does a type that allows it.
             if descend is not None and (members is not None or types is None or name in types):
-                alone = members is None and types == frozenset((name,))
+                alone = members is None and types == (name,)
                 parse = self._parse if alone else None
                 if plain is not None and kind is dict:
                     return object_fix(node, plain, parse, generic, self._is_valid, self._check)
@@ -256,7 +258,9 @@ class Coercer:
         if isinstance(node, bool):
             return _always if node else _never
         types = _declared_types(node) if isinstance(node, dict) else None
-        if not types or not types <= _KNOWN_TYPES or "$ref" in node:  # draft 7: $ref hides type
+        if (
+            not types or not _KNOWN_TYPES.issuperset(types) or "$ref" in node
+        ):  # draft 7: $ref hides type
             return lambda value: is_valid(node, value)
         allowed, refused, _, _ = type_plan(types)
         if node.keys() <= TYPE_ONLY_KEYS:
@@ -276,7 +280,22 @@ class Coercer:
 
     # -- a node's own value: type, enum, const -----------------------------------------
 
-    def _types_step(self, types: frozenset[str]) -> Step | None:
+    def _types_union(self, node: dict[str, Any], types: tuple[str, ...]) -> Fix:
+        """A type list beside other keywords, repaired as the ``anyOf`` it means.
+
+        ``{"type": [A, B], **rest}`` accepts what ``{"anyOf": [{"type": A, **rest},
+        {"type": B, **rest}]}`` accepts, so it is repaired as that union: one branch per
+        listed type, in the order listed, each with every sibling keyword. A string kept
+        because ``string`` is listed would fail a ``pattern`` the integer it spells
+        satisfies; as a union, the string branch refuses it and the integer branch converts it.
+        """
+        branches = [{**node, "type": name} for name in types]
+        for branch in branches:  # children are compiled already; only the branch itself is new
+            self._compile(branch)
+        choose = self._union_step(branches)
+        return keep if choose is None else union_fix(self._acceptor(node), choose)
+
+    def _types_step(self, types: tuple[str, ...]) -> Step | None:
         allowed, refused, rules, openers = type_plan(types)
         wrap = "array" in types
         if not rules and not openers:
@@ -383,12 +402,19 @@ class Coercer:
             for accepts in acceptors:
                 if accepts(value):
                     return value
+            wrapped = None
             for fix, accepts in repairs:
                 # No branch accepts the value, so none needs to check it again.
                 candidate = fix(value, depth, False)
                 if candidate is not value and accepts(candidate):
+                    if type(candidate) is list and _wraps(value):
+                        # A lone value put in an array: only if no other branch converts it,
+                        # as in a type list (``"5"`` for an array or an integer is ``5``).
+                        if wrapped is None:
+                            wrapped = candidate
+                        continue
                     return candidate
-            return value
+            return value if wrapped is None else wrapped
 
         return choose
 
@@ -547,13 +573,22 @@ def _never(value: Any) -> bool:
     return False
 
 
-def _declared_types(node: dict[str, Any]) -> frozenset[str] | None:
+def _declared_types(node: dict[str, Any]) -> tuple[str, ...] | None:
+    """The node's ``type`` names in the order listed (repair tries them in that order)."""
     declared = node.get("type")
     if isinstance(declared, str):
-        return frozenset((declared,))
+        return (declared,)
     if isinstance(declared, list):
-        return frozenset(name for name in declared if isinstance(name, str))
+        return tuple(dict.fromkeys(name for name in declared if isinstance(name, str)))
     return None
+
+
+def _wraps(value: Any) -> bool:
+    """Whether an array made from ``value`` wraps it rather than reads it: ``value`` is
+    neither an array nor text that starts like one (JSON text of an array is converted)."""
+    if type(value) is list:
+        return False
+    return type(value) is not str or not value.lstrip().startswith("[")
 
 
 def _children(node: dict[str, Any]) -> Iterator[Any]:

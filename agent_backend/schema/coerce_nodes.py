@@ -72,7 +72,7 @@ def null_left_out(fix: Fix) -> Fix:
     return fix_or_leave_out
 
 
-def type_fix(types: frozenset[str], convert: Step) -> Fix:
+def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
     """A node whose only repair is its own ``type`` (``convert``): no children, no unions."""
     allowed, _, rules, _ = type_plan(types)
     if "object" in types or "array" in types:

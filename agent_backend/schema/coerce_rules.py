@@ -12,7 +12,7 @@ import decimal
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Final, NamedTuple
 
 from agent_backend.schema.parse import json_type_name
@@ -45,7 +45,7 @@ _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 MAX_NUMBER_TEXT: Final = 400  # far below int()'s digit limit, so int() of matched text cannot fail
 _BOOLEANS = {"true": True, "false": False, "True": True, "False": False}
 
-#: The kinds a value of the wrong type is converted to, in the order they are tried.
+#: The kinds a string converts to (a type list tries them in its own order; an enum, in its members' order).
 CONVERSION_ORDER: Final = ("integer", "number", "boolean", "null", "object", "array")
 
 PYTHON_TYPES: Final[dict[str, tuple[type, ...]]] = {
@@ -76,25 +76,29 @@ class TypePlan(NamedTuple):
     ``integer`` without ``number`` (``1.0`` is an integer, ``1.5`` is not); subclasses
     (``IntEnum``) are in neither: both take :func:`type_allowed`."""
     rules: tuple[Callable[[str], Any], ...]
-    """The string-to-scalar rules the types ask for, in :data:`CONVERSION_ORDER`."""
+    """The string-to-scalar rules the types ask for, in the order the types are listed (only
+    ``integer`` and ``number`` ever both convert one text: ``"4.0"`` is ``4`` or ``4.0``)."""
     openers: tuple[tuple[str, type], ...]
-    """The containers the types ask for, in :data:`CONVERSION_ORDER`: (first character, type)."""
+    """The containers the types ask for, in the order listed: (first character, type)."""
 
 
 @functools.lru_cache(maxsize=256)  # schemas share a few distinct type lists
-def type_plan(types: frozenset[str]) -> TypePlan:
+def type_plan(types: tuple[str, ...]) -> TypePlan:
+    """The plan of a ``type`` keyword; ``types`` in the order the schema lists them."""
     allowed = frozenset(python for name in types for python in PYTHON_TYPES.get(name, ()))
     refused = frozenset(
         python
         for python in _PLAIN_TYPES
         if python not in allowed and not (python is float and "integer" in types)
     )
-    rules = tuple(rule for kind, rule in TEXT_RULES.items() if kind in types)
-    openers = tuple((opener, wanted) for kind, opener, wanted in _OPENERS if kind in types)
+    rules = tuple(TEXT_RULES[kind] for kind in types if kind in TEXT_RULES)
+    openers = tuple(
+        (opener, wanted) for kind in types for name, opener, wanted in _OPENERS if name == kind
+    )
     return TypePlan(allowed, refused, rules, openers)
 
 
-def type_allowed(value: Any, types: frozenset[str]) -> bool:
+def type_allowed(value: Any, types: Collection[str]) -> bool:
     """Whether a JSON value is of one of ``types`` (an integral float is an integer)."""
     kind = json_type_name(value)
     if kind in types:

@@ -23,7 +23,7 @@ import orjson
 
 from agent_backend.schema.parse import PLAIN_ONLY, has_non_finite, shallow_enough
 
-__all__ = ["ACCELERATED", "plain_copy", "plain_copy_python"]
+__all__ = ["ACCELERATED", "plain_copy", "plain_copy_python", "valid_copy", "valid_copy_python"]
 
 #: Subclasses of str, int, dict and list go to ``default`` (there is none, so
 #: orjson raises): only exact types pass, as in the C implementation.
@@ -65,11 +65,31 @@ def plain_copy_python(value: Any, max_depth: int, max_bytes: int) -> dict[str, A
     return copied  # type: ignore[no-any-return]
 
 
+def valid_copy_python(
+    cache: dict[int, tuple[Any, ...]], schema: Any, value: Any
+) -> dict[str, Any] | None:
+    """``prepare_arguments``' hot path in one call: ``cache[id(schema)]`` is the entry
+    ``(schema, prepare, is_valid, max_depth, max_bytes)`` of this very schema, ``value`` is
+    a dict whose :func:`plain_copy_python` exists and ``is_valid`` accepts it: then that
+    copy; else ``None`` (the caller takes its full path)."""
+    if type(value) is not dict:
+        return None
+    entry = cache.get(id(schema))
+    if entry is None or entry[0] is not schema:
+        return None
+    copied = plain_copy_python(value, entry[3], entry[4])
+    if copied is None or not entry[2](copied):
+        return None
+    return copied
+
+
 plain_copy: Callable[[Any, int, int], dict[str, Any] | None]
+valid_copy: Callable[[dict[int, tuple[Any, ...]], Any, Any], dict[str, Any] | None]
 try:
-    from agent_backend.schema._plain import plain_copy
+    from agent_backend.schema._plain import plain_copy, valid_copy
 except ImportError:  # not built (no C compiler at install): same answers, slower
     plain_copy = plain_copy_python
+    valid_copy = valid_copy_python
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -37,7 +37,7 @@ from agent_backend.schema.parse import (
     parse_arguments,
     shallow_enough,
 )
-from agent_backend.schema.plain import plain_copy
+from agent_backend.schema.plain import plain_copy, valid_copy
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -58,6 +58,7 @@ class CompiledSchema:
         "_is_valid",
         "_sub_validators",
         "_validator",
+        "_validators_by_text",
         "defs",
         "dialect",
         "limits",
@@ -124,6 +125,7 @@ class CompiledSchema:
         built once per schema (the hot path), falling back to the full pipeline.
         """
         self._sub_validators: dict[int, tuple[Any, Validator]] = {}
+        self._validators_by_text: dict[bytes, Validator] = {}
         self._coercers = tuple(
             Coercer(
                 self.resolved,
@@ -182,9 +184,22 @@ class CompiledSchema:
     def _subschema_accepts(self, node: Any, value: Any) -> bool:
         entry = self._sub_validators.get(id(node))
         if entry is None:
-            entry = (node, self._compile_subschema(node))
+            entry = (node, self._validator_of(node))
             self._sub_validators[id(node)] = entry
         return bool(entry[1].is_valid(value))
+
+    def _validator_of(self, node: Any) -> Validator:
+        """One validator per distinct subschema text: resolving copies a subschema to every
+        place that uses it (1,000 properties that are each ``{"$ref": "#"}`` are 1,000
+        nodes), and a validator that holds the root's ``$defs`` takes milliseconds."""
+        try:
+            text = orjson.dumps(node, option=orjson.OPT_SORT_KEYS)
+        except TypeError:  # an integer beyond 64 bits: compiled on its own
+            return self._compile_subschema(node)
+        validator = self._validators_by_text.get(text)
+        if validator is None:
+            validator = self._validators_by_text[text] = self._compile_subschema(node)
+        return validator
 
     def _compile_subschema(self, node: Any) -> Validator:
         wrapper: dict[str, Any] = {"$schema": self.dialect.meta_schema_uri, "allOf": [node]}
@@ -302,9 +317,11 @@ def _check_against_meta_schema(schema: dict[str, Any] | bool, source: str | None
     """
     if isinstance(schema, bool):
         return
+    known_invalid = False
     try:
         if jsonschema_rs.meta.is_valid(schema):
             return
+        known_invalid = True
     except (ValueError, jsonschema_rs.ReferencingError):
         pass  # an unknown $schema: let the reference implementation judge
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -315,6 +332,17 @@ def _check_against_meta_schema(schema: dict[str, Any] | bool, source: str | None
             f"not a valid JSON Schema: {exc.message[:300]}",
             source=source,
             pointer=pointer_of(exc.absolute_path),
+        ) from None
+    except RecursionError:
+        # The reference implementation recurses several frames per level: about 120
+        # levels of a malformed schema exhaust the stack before it names the problem.
+        reason = (
+            "not a valid JSON Schema"
+            if known_invalid
+            else "the schema cannot be checked against its meta-schema"
+        )
+        raise SchemaError(
+            f"{reason} (nested too deeply to name the problem)", source=source
         ) from None
 
 
@@ -329,8 +357,9 @@ def compile_schema(
 
 
 _CACHE_SIZE = 512
-# id(schema) -> (schema, its compiled prepare). Holding the schema keeps its id from being reused.
-_cache: dict[int, tuple[object, PrepareFn]] = {}
+# id(schema) -> (schema, its compiled prepare, and what a valid dict's fast path needs: the
+# validator's is_valid, max_depth, max_bytes). Holding the schema keeps its id from being reused.
+_cache: dict[int, tuple[object, PrepareFn, Callable[[Any], bool], int, int]] = {}
 _cache_lock = threading.Lock()
 
 
@@ -340,12 +369,19 @@ def _compiled_for(schema: Mapping[str, Any] | bool | CompiledSchema) -> PrepareF
     entry = _cache.get(id(schema))
     if entry is not None and entry[0] is schema:
         return entry[1]
-    prepare = CompiledSchema(schema).prepare
+    compiled = CompiledSchema(schema)
+    limits = compiled.limits
     with _cache_lock:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))
-        _cache[id(schema)] = (schema, prepare)
-    return prepare
+        _cache[id(schema)] = (
+            schema,
+            compiled.prepare,
+            compiled._is_valid,
+            limits.max_depth,
+            limits.max_bytes,
+        )
+    return compiled.prepare
 
 
 def prepare_arguments(
@@ -363,12 +399,14 @@ def prepare_arguments(
     :class:`ToolArgumentError` for anything that cannot be made valid, and
     :class:`SchemaError` for a malformed schema.
     """
-    try:
-        cached, prepare = _cache[id(schema)]
-        if cached is not schema:  # another schema that had the same id
-            prepare = _compiled_for(schema)
-    except KeyError:
-        prepare = _compiled_for(schema)
+    # A valid dict for a schema dict seen before, in one call (the hot path): what
+    # CompiledSchema.prepare does first for a dict, with the same copy and validator.
+    if tool is None and not inject_defaults:
+        value = valid_copy(_cache, schema, arguments)
+        if value is not None:
+            return value
+    entry = _cache.get(id(schema))
+    prepare = entry[1] if entry is not None and entry[0] is schema else _compiled_for(schema)
     if tool is None and not inject_defaults:
         return prepare(arguments)
     return prepare(arguments, tool, inject_defaults)

@@ -87,6 +87,8 @@ BENCHES := validator_bench schema_bench ssh_bench daemon_bench mcp_bench ray_ben
 
 bench: $(TRAINERS) system-deps vllm-env
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench,tokens,verl]'
+	test -x .bench/swerex/bin/swerex-remote || { $(PYTHON) -m venv .bench/swerex && \
+	  .bench/swerex/bin/pip install --quiet swe-rex; }
 	@status=0; for b in $(BENCHES); do \
 	  echo "===== bench/$$b.py"; $(BIN)/python bench/$$b.py || status=1; \
 	done; exit $$status

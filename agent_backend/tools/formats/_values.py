@@ -23,9 +23,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from agent_backend.tools.formats._base import load_json
+from agent_backend.schema.parse import json_type_name
+from agent_backend.tools.formats._base import ToolSchemas, load_json
 
-__all__ = ["convert", "property_types", "schema_types"]
+__all__ = ["TypeCache", "convert", "property_types", "schema_types", "tool_types"]
+
+#: Parameter types by tool name, worked out once per parse.
+TypeCache = dict[str, dict[str, "set[str] | None"]]
 
 _NOTHING = object()
 
@@ -43,7 +47,7 @@ def schema_types(schema: object) -> set[str] | None:
     for key in ("enum", "const"):
         values = schema.get(key) if key == "enum" else [schema[key]] if key in schema else None
         if isinstance(values, list):
-            types.update(_json_type(v) for v in values)
+            types.update(json_type_name(v) for v in values)
     for key in ("anyOf", "oneOf", "allOf"):
         branches = schema.get(key)
         if isinstance(branches, list):
@@ -54,20 +58,6 @@ def schema_types(schema: object) -> set[str] | None:
     if not types and ("items" in schema):
         types.add("array")
     return types or None
-
-
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    return "array" if isinstance(value, list) else "object"
 
 
 def _json(text: str) -> Any:
@@ -129,3 +119,17 @@ def convert(text: str, types: set[str] | None, *, untyped: str) -> Any:
             if value is not _NOTHING:
                 return value
     return text
+
+
+def tool_types(
+    tools: ToolSchemas | None, name: str, cache: TypeCache
+) -> dict[str, set[str] | None]:
+    """The types each parameter of tool ``name`` allows (from ``tools``), cached in ``cache``."""
+    types = cache.get(name)
+    if types is None:
+        schema = tools.get(name) if tools else None
+        properties = schema.get("properties") if isinstance(schema, Mapping) else None
+        types = cache[name] = property_types(
+            properties if isinstance(properties, Mapping) else None
+        )
+    return types

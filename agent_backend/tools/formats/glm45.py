@@ -10,7 +10,7 @@ not closed, or a key given twice, makes the call an error call.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from agent_backend.tools.formats._base import (
@@ -23,7 +23,7 @@ from agent_backend.tools.formats._base import (
     dump_json,
     error_call,
 )
-from agent_backend.tools.formats._values import convert, property_types
+from agent_backend.tools.formats._values import TypeCache, convert, tool_types
 
 __all__ = ["CLOSE", "OPEN", "parse", "render"]
 
@@ -35,28 +35,13 @@ VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 _SPACE = re.compile(r"(?:\s|\\n)*")
 
 
-# Parameter types by tool name, worked out once per parse.
-_Types = dict[str, dict[str, "set[str] | None"]]
-
-
-def _types(tools: ToolSchemas | None, name: str, cache: _Types) -> dict[str, set[str] | None]:
-    types = cache.get(name)
-    if types is None:
-        schema = tools.get(name) if tools else None
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        types = cache[name] = property_types(
-            properties if isinstance(properties, Mapping) else None
-        )
-    return types
-
-
-def _call(body: str, index: int, tools: ToolSchemas | None, cache: _Types) -> ToolCall:
+def _call(body: str, index: int, tools: ToolSchemas | None, cache: TypeCache) -> ToolCall:
     first = body.find(KEY_OPEN)
     name = (body if first < 0 else body[:first]).strip().removesuffix("\\n").strip()
     if not name or "<" in name or "\n" in name:
         error = "the tool call has no name" if not name else "the tool call's name is malformed"
         return error_call(index, "glm45", error)
-    types = _types(tools, name, cache)
+    types = tool_types(tools, name, cache)
     arguments: dict[str, Any] = {}
     pos, size = (first if first >= 0 else len(body)), len(body)
     while True:
@@ -94,7 +79,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
     """``(prose, calls)`` of a GLM-4.5 reply; ``tools`` (name to parameters schema) type the values."""
     prose: list[str] = []
     calls: list[ToolCall] = []
-    cache: _Types = {}
+    cache: TypeCache = {}
     pos = 0
     more = False
     for block in blocks(text, OPEN, CLOSE):

@@ -25,7 +25,7 @@ from agent_backend.tools.formats._base import (
     dump_json,
     error_call,
 )
-from agent_backend.tools.formats._values import convert, property_types
+from agent_backend.tools.formats._values import TypeCache, convert, tool_types
 
 __all__ = ["CLOSE", "OPEN", "parse", "render"]
 
@@ -34,21 +34,6 @@ CLOSE = "</tool_call>"
 FUNCTION, FUNCTION_END = "<function=", "</function>"
 PARAMETER, PARAMETER_END = "<parameter=", "</parameter>"
 _SPACE = re.compile(r"\s*")
-
-
-# Parameter types by tool name, worked out once per parse.
-_Types = dict[str, dict[str, "set[str] | None"]]
-
-
-def _types(tools: ToolSchemas | None, name: str, cache: _Types) -> dict[str, set[str] | None]:
-    types = cache.get(name)
-    if types is None:
-        schema = tools.get(name) if tools else None
-        properties = schema.get("properties") if isinstance(schema, Mapping) else None
-        types = cache[name] = property_types(
-            properties if isinstance(properties, Mapping) else None
-        )
-    return types
 
 
 def _trim(value: str) -> str:
@@ -61,7 +46,7 @@ def _trim(value: str) -> str:
 
 
 def _function(
-    body: str, pos: int, index: int, tools: ToolSchemas | None, cache: _Types
+    body: str, pos: int, index: int, tools: ToolSchemas | None, cache: TypeCache
 ) -> tuple[ToolCall, int]:
     """The ``<function=...>`` at ``body[pos]``: its call, and where it ended (-1: not closed)."""
     name_end = body.find(">", pos)
@@ -74,7 +59,7 @@ def _function(
         return error_call(index, "qwen3_coder", error, name=name if "<" not in name else ""), -1
     if not name or "<" in name:
         return error_call(index, "qwen3_coder", "the tool call has no name"), end
-    types = _types(tools, name, cache)
+    types = tool_types(tools, name, cache)
     arguments: dict[str, Any] = {}
     at = name_end + 1
     while True:
@@ -112,7 +97,7 @@ def _function(
 
 
 def _block(
-    body: str, first_index: int, tools: ToolSchemas | None, cache: _Types, closed: bool
+    body: str, first_index: int, tools: ToolSchemas | None, cache: TypeCache, closed: bool
 ) -> list[ToolCall]:
     """The calls of one ``<tool_call>`` block (normally one ``<function=``)."""
     calls: list[ToolCall] = []
@@ -149,7 +134,7 @@ def parse(text: str, tools: ToolSchemas | None = None) -> tuple[str, list[ToolCa
     """``(prose, calls)`` of a Qwen3-Coder reply; ``tools`` (name to parameters schema) type the values."""
     prose: list[str] = []
     calls: list[ToolCall] = []
-    cache: _Types = {}
+    cache: TypeCache = {}
     pos = 0
     more = False
     for block in blocks(text, OPEN, CLOSE):

@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,15 +39,17 @@ from typing import Any
 import anyio
 import numpy as np
 import ray
-from ray.cluster_utils import Cluster
 
 from agent_backend.backends.ray import RayBackend, RayPoolConfig
 from agent_backend.backends.ray.payload import PayloadRef, checksum
-from agent_backend.backends.ray.runtime import loopback_only
 from agent_backend.errors import AgentBackendError, ResourceUnavailable
 
 MB = 1024 * 1024
 HERE = str(Path(__file__).resolve().parent)
+sys.path.insert(0, str(Path(HERE).parent / "tests"))
+
+from support.ray_nodes import LocalNodes  # noqa: E402
+
 HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
 
 
@@ -79,43 +79,6 @@ def consume(data: Any) -> dict[str, Any]:
 # -- the cluster ------------------------------------------------------------------------------------
 
 
-class Nodes:
-    def __init__(self) -> None:
-        loopback_only()
-        self.temp_dir = tempfile.mkdtemp(prefix="abnb-")
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "include_dashboard": False,
-                "temp_dir": self.temp_dir,
-                "_system_config": HEALTH,
-            },
-        )
-        self.nodes: dict[str, Any] = {}
-
-    def add(self, **resources: Any) -> tuple[str, float]:
-        """A new worker node: its id, and the monotonic time it registered (blocking)."""
-        cpus, gpus = resources.pop("num_cpus", 2), resources.pop("num_gpus", 0)
-        node = self.cluster.add_node(
-            num_cpus=cpus,
-            num_gpus=gpus,
-            resources=resources or None,
-            object_store_memory=600 * MB,
-            wait=True,
-        )
-        self.nodes[str(node.node_id)] = node
-        return str(node.node_id), time.monotonic()
-
-    def kill(self, node_id: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
-
-    def close(self) -> None:
-        ray.shutdown()
-        self.cluster.shutdown()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 async def wait_for(pool: RayBackend, condition: Any, within: float) -> bool:
     with anyio.move_on_after(within):
         await pool.wait_until(condition)
@@ -126,7 +89,7 @@ async def wait_for(pool: RayBackend, condition: Any, within: float) -> bool:
 # -- 1. kills ---------------------------------------------------------------------------------------
 
 
-async def kills(nodes: Nodes, count: int) -> dict[str, Any]:
+async def kills(nodes: LocalNodes, count: int) -> dict[str, Any]:
     config = RayPoolConfig.model_validate(
         {
             "name": "kills",
@@ -182,7 +145,8 @@ async def kills(nodes: Nodes, count: int) -> dict[str, Any]:
                     break
                 # In this thread (Ray's node start needs the main thread): the pool's event loop
                 # waits meanwhile, and the delay is counted from the node's registration.
-                _, registered = nodes.add(slot=1)
+                nodes.add(slot=1)
+                registered = time.monotonic()
                 if not await wait_for(pool, lambda: pool.statistics().actors_live == 3, 60):
                     errors.append(f"kill {kill}: not serving with 3 replicas 60 s after the node")
                     break
@@ -294,12 +258,12 @@ def verdict(ok: bool) -> str:
 
 
 async def main(count: int, sizes: list[int]) -> int:
-    nodes = Nodes()
+    nodes = LocalNodes(HEALTH, store_mb=600)
     try:
         for _ in range(3):
             nodes.add(slot=1)
         ray.init(
-            address=nodes.cluster.address,
+            address=nodes.address,
             log_to_driver=False,
             job_config=ray.job_config.JobConfig(code_search_path=[HERE]),
         )
@@ -312,7 +276,8 @@ async def main(count: int, sizes: list[int]) -> int:
         refused_in, message = await infeasible()
         rows = await handoffs(sizes)
     finally:
-        nodes.close()
+        ray.shutdown()
+        nodes.shutdown()
 
     delays = killed["delays"]
     races = killed["restarts"] - killed["deaths"]

@@ -1,7 +1,7 @@
 """Nodes as failure domains, on a real multi-node Ray: several raylets on this machine.
 
-A ``ray.cluster_utils.Cluster`` (a head without CPUs, so that every actor lives on a worker
-node, and worker nodes added and killed by the tests), loopback only. Nodes are killed with
+``support.ray_nodes.LocalNodes``: a head without CPUs (every actor lives on a worker node)
+and worker nodes added and killed by the tests, loopback only. Nodes are killed with
 ``remove_node(allow_graceful=False)``: the raylet and its workers are SIGKILLed, as when a
 machine goes away, and Ray finds out through its health checks (shortened here so that a
 test waits seconds, not half a minute; the logic does not depend on their length).
@@ -12,8 +12,6 @@ session's is shut down first and started again by the next module that needs it.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,11 +19,11 @@ from typing import Any
 import anyio
 import pytest
 from support.ray_fixtures import TESTS_DIR, pool_config, require_ray, settle
+from support.ray_nodes import LocalNodes
 
 ray = require_ray()
 
 from agent_backend.backends.ray import RayBackend  # noqa: E402
-from agent_backend.backends.ray.runtime import loopback_only  # noqa: E402
 from agent_backend.errors import ResourceUnavailable  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240), pytest.mark.xdist_group("ray-nodes")]
@@ -39,58 +37,14 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Nodes:
-    """The module's cluster: add worker nodes, kill them."""
-
-    def __init__(self) -> None:
-        from ray.cluster_utils import Cluster
-
-        loopback_only()
-        # Its own temp dir: its sockets, logs and the "current cluster" file that
-        # ``address="auto"`` reads stay apart from any other Ray on the machine.
-        self.temp_dir = tempfile.mkdtemp(prefix="abrn-")
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "include_dashboard": False,
-                "temp_dir": self.temp_dir,
-                "_system_config": _HEALTH,
-            },
-        )
-        self.nodes: dict[str, Any] = {}
-
-    def add(self, **resources: Any) -> str:
-        """A worker node; its id once it has registered."""
-        node = self.cluster.add_node(
-            num_cpus=resources.pop("num_cpus", 2),
-            num_gpus=resources.pop("num_gpus", 0),
-            resources=resources or None,
-            object_store_memory=80 * 1024 * 1024,
-        )
-        self.nodes[node.node_id] = node
-        return str(node.node_id)
-
-    def kill(self, node_id: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(node_id), allow_graceful=False)
-
-    def kill_all(self) -> None:
-        for node_id in list(self.nodes):
-            self.kill(node_id)
-
-    def shutdown(self) -> None:
-        self.cluster.shutdown()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[Nodes]:
+def nodes() -> Iterator[LocalNodes]:
     if ray.is_initialized():
         ray.shutdown()  # the session's local Ray: the next module that needs it starts it again
-    cluster = Nodes()
+    cluster = LocalNodes(_HEALTH)
     try:
         ray.init(
-            address=cluster.cluster.address,
+            address=cluster.address,
             log_to_driver=False,
             job_config=ray.job_config.JobConfig(code_search_path=[TESTS_DIR]),
         )
@@ -101,7 +55,7 @@ def nodes() -> Iterator[Nodes]:
 
 
 @pytest.fixture(scope="module")
-def three(nodes: Nodes) -> dict[str, str]:
+def three(nodes: LocalNodes) -> dict[str, str]:
     """Three worker nodes, by role: two with one GPU, one with two (started once: a node
     takes seconds to register)."""
     return {
@@ -176,7 +130,7 @@ def _live_groups() -> list[str]:
 
 
 async def test_a_node_killed_mid_call_loses_no_idempotent_call(
-    nodes: Nodes, three: dict[str, str]
+    nodes: LocalNodes, three: dict[str, str]
 ) -> None:
     ids = list(three.values())
     config = pool_config(
@@ -214,7 +168,9 @@ async def test_a_node_killed_mid_call_loses_no_idempotent_call(
         assert all(r["node_id"] != victim for r in results[-8:])
 
 
-async def test_a_replica_waits_for_a_new_node_without_spending_its_restarts(nodes: Nodes) -> None:
+async def test_a_replica_waits_for_a_new_node_without_spending_its_restarts(
+    nodes: LocalNodes,
+) -> None:
     first = nodes.add(slot=1)
     config = pool_config(
         {"function": "support.ray_tools:node_hold", "idempotent": True},

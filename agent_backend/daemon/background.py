@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from agent_backend.daemon.server import DaemonServer
 from agent_backend.daemon.settings import DaemonSettings
@@ -27,8 +29,6 @@ from agent_backend.pool_file import DEFAULT_POOL, load_pools
 from agent_backend.tools import ToolRegistry
 
 __all__ = ["BackgroundDaemon", "run_in_thread"]
-
-_START_TIMEOUT = 30.0
 
 
 @dataclasses.dataclass
@@ -49,23 +49,37 @@ def run_in_thread(
     settings: DaemonSettings,
     *,
     pool: Any = DEFAULT_POOL,
+    start_timeout: float | None = None,
     **dispatcher_options: Any,
 ) -> Iterator[BackgroundDaemon]:
-    """Serve ``registry`` on ``pool`` (a pool file, a pool-set file, or a config) from a thread."""
+    """Serve ``registry`` on ``pool`` (a pool file, a pool-set file, or a config) from a thread.
+
+    Starting waits for the pools' own start, which their settings bound
+    (``start_timeout`` of a Ray pool, ``connect_timeout`` of an SSH host);
+    ``start_timeout`` here adds an overall bound for callers that want one.
+    """
     ready = threading.Event()
     holder: dict[str, Any] = {}
+    lock = threading.Lock()
 
     async def main() -> None:
-        pools = load_pools(pool)
-        async with (
-            pools,
-            Dispatcher(registry, **pools.dispatcher_options(), **dispatcher_options) as dispatcher,
-        ):
-            server = DaemonServer(dispatcher, settings, handle_signals=False)
-            holder["server"] = server
-            async with anyio.create_task_group() as group:
-                holder["url"] = await group.start(server.serve)
-                ready.set()
+        with anyio.CancelScope() as starting:
+            with lock:
+                if holder.get("abandoned"):
+                    return
+                holder["cancel"] = (anyio.lowlevel.current_token(), starting.cancel)
+            pools = load_pools(pool)
+            async with (
+                pools,
+                Dispatcher(
+                    registry, **pools.dispatcher_options(), **dispatcher_options
+                ) as dispatcher,
+            ):
+                server = DaemonServer(dispatcher, settings, handle_signals=False)
+                holder["server"] = server
+                async with anyio.create_task_group() as group:
+                    holder["url"] = await group.start(server.serve)
+                    ready.set()
 
     def target() -> None:
         try:
@@ -77,8 +91,12 @@ def run_in_thread(
 
     thread = threading.Thread(target=target, name="agent-backend daemon", daemon=True)
     thread.start()
-    if not ready.wait(_START_TIMEOUT):
-        raise TimeoutError(f"the daemon did not start within {_START_TIMEOUT:g} s")
+    if not ready.wait(start_timeout):
+        with lock:
+            holder["abandoned"] = True
+        _cancel_start(holder)
+        thread.join()
+        raise TimeoutError(f"the daemon did not start within {start_timeout:g} s")
     if "error" in holder:
         thread.join()
         raise holder["error"]
@@ -90,3 +108,14 @@ def run_in_thread(
         thread.join()
         if "error" in holder:
             raise holder["error"]
+
+
+def _cancel_start(holder: dict[str, Any]) -> None:
+    """Cancel a start still under way on the daemon's thread (its pools close as on any
+    cancellation); nothing to do if it has just finished."""
+    cancel = holder.get("cancel")
+    if cancel is None:
+        return
+    token, cancel_scope = cancel
+    with contextlib.suppress(RuntimeError):  # the loop has already finished
+        anyio.from_thread.run_sync(cancel_scope, token=token)

@@ -412,3 +412,21 @@ def test_local_ray_listens_on_loopback_only(ray_cluster: RayCluster) -> None:
     ray = require_ray()
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     assert ray.util.get_node_ip_address() == "127.0.0.1"
+
+
+async def test_a_pool_closed_from_another_task_inside_a_cancel_scope_closes_cleanly(
+    ray_cluster: RayCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pool set closes its pools each in its own task: the Ray pool's background tasks must
+    not belong to the task that started it (closing them elsewhere failed, was logged, and left
+    the starting task's cancel scopes in disorder)."""
+    from agent_backend.pool_file import PoolSet
+
+    backend = RayBackend.from_config(pool_config(name="closed-elsewhere"))
+    with anyio.CancelScope() as outer:
+        async with PoolSet({"gpu": backend}, "gpu"):
+            assert (await backend.call("echo", {"text": "hi"})).value == "hi"
+        assert not outer.cancel_called
+    assert backend.is_closed()
+    assert backend.statistics().actors_live == 0
+    assert not [record for record in caplog.records if "failed" in record.getMessage()]

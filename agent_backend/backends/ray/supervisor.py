@@ -43,7 +43,7 @@ from agent_backend.backends.ray.runtime import (
     replica_placement_group,
 )
 from agent_backend.errors import AgentBackendError, BackendUnavailable, PoolClosed, PoolError
-from agent_backend.lifecycle import AsyncResource
+from agent_backend.lifecycle import AsyncResource, BackgroundTasks
 
 __all__ = ["ActorSupervisor"]
 
@@ -91,7 +91,7 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self.shipped_runtime_env: dict[str, Any] | None = None
         """The ``runtime_env`` every actor gets (``actor_options(..., runtime_env=)``): the
         config's, its local ``working_dir``/``py_modules`` uploaded at start (packages.py)."""
-        self._stack = contextlib.AsyncExitStack()
+        self._background = BackgroundTasks()
         self._tasks: anyio.abc.TaskGroup | None = None
         self._actors = ActorSet[A](
             replicas=config.replicas,
@@ -175,7 +175,7 @@ class ActorSupervisor(AsyncResource, Generic[A]):
             await anyio.to_thread.run_sync(self._connect)
             await self._prepare()
             self._pool_group = await anyio.to_thread.run_sync(pool_placement_group, self.config)
-            self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+            self._tasks = await self._background.open(f"agent-backend {self._subject}")
             self._started(await self._actors.start(self._tasks))
         except BaseException:
             await self.aclose()
@@ -198,11 +198,9 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self._state = "closing"
         try:
             self._fail_waiters(self._closed_error())
-            if self._tasks is not None:
-                self._tasks.cancel_scope.cancel()
-            # Exited here, not under the shield below: a task group's scope must be the
-            # innermost one when it exits. Its tasks are cancelled, so this is quick.
-            await self._stack.aclose()
+            # The background tasks are cancelled, so this is quick; they belong to a task of
+            # their own, so any task may close the pool (a pool set closes each in its own).
+            await self._background.aclose()
         finally:
             with anyio.CancelScope(shield=True):
                 try:

@@ -44,3 +44,18 @@ def test_any_schema_and_arguments_fail_only_as_documented(
         make_schema(schema), [make_arguments(a) for a in arguments], inject_defaults=inject_defaults
     )
     assert problems == []
+
+
+def test_a_top_level_that_wants_no_object_refuses_rather_than_wrapping_the_arguments() -> None:
+    """Found by the fuzz: repair wrapped the object in an array, which the schema accepted,
+    and an assertion fired; tool arguments are an object, so this is a ToolArgumentError."""
+    from agent_backend.errors import ToolArgumentError
+    from agent_backend.schema import compile_schema
+
+    compiled = compile_schema(
+        {"type": "array", "$schema": "http://json-schema.org/draft-07/schema#"}
+    )
+    for arguments in ({"p0": {}}, '{"p0": {}}'):
+        with pytest.raises(ToolArgumentError, match="could only be made valid as array") as caught:
+            compiled.prepare(arguments)
+        assert caught.value.issues[0].expected == "object"

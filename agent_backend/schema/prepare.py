@@ -26,18 +26,18 @@ import jsonschema.exceptions
 import jsonschema_rs
 import orjson
 
-from agent_backend.errors import SchemaError, SchemaRefError, ToolArgumentError
+from agent_backend.errors import ArgumentIssue, SchemaError, SchemaRefError, ToolArgumentError
 from agent_backend.schema.coerce import Coercer
 from agent_backend.schema.dialect import Dialect
 from agent_backend.schema.keywords import check_json_shape, map_schema
 from agent_backend.schema.parse import (
     DEFAULT_LIMITS,
     Limits,
-    has_big_float,
+    json_type_name,
     parse_arguments,
     shallow_enough,
 )
-from agent_backend.schema.plain import plain_copy, valid_copy
+from agent_backend.schema.plain import big_float, plain_copy, valid_copy
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -160,7 +160,7 @@ class CompiledSchema:
         ``known_invalid``: the fast path's validator already refused ``parsed``
         (it is stricter than the schema at most, so repair is needed or harmless).
         """
-        if parsed is None or (type(arguments) is not dict and has_big_float(parsed)):
+        if parsed is None or (type(arguments) is not dict and big_float(parsed)):
             value = parse_arguments(arguments, limits=self.limits, tool=tool)
             valid = self._is_valid(value)
         else:
@@ -171,8 +171,19 @@ class CompiledSchema:
         coercer = self._coercers[inject_defaults]
         repaired = coercer.coerce(value, known_invalid=not valid)
         if self._is_valid(repaired):
-            assert isinstance(repaired, dict)
-            return repaired
+            if type(repaired) is dict:
+                return repaired
+            # A top level that wants no object (``"type": "array"``) was met by a repair
+            # that wrapped the object: tool arguments are an object, so this is refused.
+            message = (
+                f"the arguments could only be made valid as {json_type_name(repaired)}, "
+                "and tool arguments are a JSON object"
+            )
+            raise ToolArgumentError(
+                message,
+                issues=[ArgumentIssue("", message, expected="object")],
+                tool=tool,
+            )
         issues = issues_of(self._validator, repaired, limit=self.limits.max_issues)
         count = len(issues)
         noun = "problem" if count == 1 else "problems"

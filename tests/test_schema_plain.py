@@ -24,8 +24,10 @@ from agent_backend.errors import ConfigError, ToolArgumentError
 from agent_backend.schema import Limits, compile_schema
 from agent_backend.schema import plain as plain_module
 from agent_backend.schema import prepare as prepare_module
+from agent_backend.schema.parse import has_big_float
 from agent_backend.schema.plain import (
     ACCELERATED,
+    big_float,
     plain_copy,
     plain_copy_python,
     valid_copy,
@@ -440,3 +442,34 @@ def test_valid_copy_only_for_the_very_schema_of_the_entry(fast: Any) -> None:
     assert fast({id(schema): refusing}, schema, value) is None
     shallow = (schema, compiled.prepare, compiled.is_valid, 1, 1_000_000)
     assert fast({id(schema): shallow}, schema, value) is None  # the depth bound holds
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.sampled_from([2.0**63, -(2.0**63), 2.0**63 - 1024, 1e300, -1e300])
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=3), inner),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+@settings(max_examples=500, deadline=None)
+@accelerated
+def test_big_float_in_c_agrees_with_the_python_walk(value: Any) -> None:
+    assert big_float(value) is has_big_float(value)
+
+
+@accelerated
+def test_big_float_answers_true_past_the_c_stack() -> None:
+    deep: list[Any] = []
+    tip = deep
+    for _ in range(100_000):
+        tip.append([])
+        tip = tip[0]
+    assert big_float(deep) is True  # the caller re-reads the text: only slower
+    assert big_float([[1.0, {"x": [9.3e18]}]]) is True
+    assert big_float({"x": [9.2e18, -9.2e18, "9.3e18"]}) is False

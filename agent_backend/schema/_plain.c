@@ -20,6 +20,9 @@
  * with the input. Nesting is bounded by orjson's own limit too (it refuses
  * 254 levels), which also bounds the C recursion.
  *
+ * big_float(value) -> bool tells whether parsed JSON holds a float of
+ * magnitude >= 2**63 (parse.has_big_float in C).
+ *
  * agent_backend/schema/plain.py has the pure-Python equivalent, used when
  * this module is not built; tests/test_schema_plain.py holds both to the
  * same answers.
@@ -277,6 +280,47 @@ valid_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* big_float(value) -> bool
+ *
+ * Whether a value parsed from JSON holds a float of magnitude >= 2**63 anywhere
+ * in its dicts and lists: where orjson may have read an integer beyond 64 bits
+ * as a float, so the text must be read again exactly. Only exact dict, list and
+ * float are looked at (parsed JSON holds nothing else). Deeper than the C stack
+ * allows answers true: the caller then re-reads, which is only slower. */
+static int
+holds_big_float(PyObject *v)
+{
+    PyTypeObject *t = Py_TYPE(v);
+    if (t == &PyFloat_Type)
+        return fabs(PyFloat_AS_DOUBLE(v)) >= 9223372036854775808.0;
+    if (t != &PyDict_Type && t != &PyList_Type)
+        return 0;
+    if (Py_EnterRecursiveCall(" while reading tool arguments")) {
+        PyErr_Clear();
+        return 1;
+    }
+    int found = 0;
+    if (t == &PyDict_Type) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (!found && PyDict_Next(v, &pos, &key, &value))
+            found = holds_big_float(value);
+    }
+    else {
+        Py_ssize_t i;
+        for (i = 0; !found && i < PyList_GET_SIZE(v); i++)
+            found = holds_big_float(PyList_GET_ITEM(v, i));
+    }
+    Py_LeaveRecursiveCall();
+    return found;
+}
+
+static PyObject *
+big_float(PyObject *Py_UNUSED(module), PyObject *value)
+{
+    return PyBool_FromLong(holds_big_float(value));
+}
+
 static PyMethodDef plain_methods[] = {
     {"plain_copy", (PyCFunction)(void (*)(void))plain_copy, METH_FASTCALL,
      "plain_copy(value, max_depth, max_bytes) -> dict | None\n\n"
@@ -285,6 +329,9 @@ static PyMethodDef plain_methods[] = {
      "valid_copy(cache, schema, value) -> dict | None\n\n"
      "prepare_arguments' hot path: the checked copy of value when cache[id(schema)]\n"
      "is schema's entry and its is_valid accepts the copy; else None."},
+    {"big_float", (PyCFunction)big_float, METH_O,
+     "big_float(value) -> bool\n\n"
+     "Whether parsed JSON holds a float of magnitude >= 2**63 anywhere."},
     {NULL, NULL, 0, NULL},
 };
 

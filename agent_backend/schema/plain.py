@@ -21,9 +21,9 @@ from typing import Any
 
 import orjson
 
-from agent_backend.schema.parse import PLAIN_ONLY, has_non_finite, shallow_enough
+from agent_backend.schema.parse import PLAIN_ONLY, has_big_float, has_non_finite, shallow_enough
 
-__all__ = ["ACCELERATED", "plain_copy", "plain_copy_python", "valid_copy", "valid_copy_python"]
+__all__ = ["ACCELERATED", "big_float", "plain_copy", "plain_copy_python", "valid_copy", "valid_copy_python"]
 
 #: Subclasses of str, int, dict and list go to ``default`` (there is none, so
 #: orjson raises): only exact types pass, as in the C implementation.
@@ -85,11 +85,14 @@ def valid_copy_python(
 
 plain_copy: Callable[[Any, int, int], dict[str, Any] | None]
 valid_copy: Callable[[dict[int, tuple[Any, ...]], Any, Any], dict[str, Any] | None]
+#: :func:`~agent_backend.schema.parse.has_big_float`, in C when built.
+big_float: Callable[[Any], bool]
 try:
-    from agent_backend.schema._plain import plain_copy, valid_copy
+    from agent_backend.schema._plain import big_float, plain_copy, valid_copy
 except ImportError:  # not built (no C compiler at install): same answers, slower
     plain_copy = plain_copy_python
     valid_copy = valid_copy_python
+    big_float = has_big_float
     ACCELERATED = False
 else:
     ACCELERATED = True

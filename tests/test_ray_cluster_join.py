@@ -107,12 +107,17 @@ class Outcome:
     wall: float
     """Seconds from the child's launch to its exit (Python's and Ray's imports included)."""
     stderr: str
+    cluster_logs: str = ""
+    """The cluster's node and Ray Client logs once the drivers have exited."""
 
     def __getitem__(self, key: str) -> Any:
         return self.result[key]
 
     def explain(self) -> str:
-        return f"{self.name}: {json.dumps(self.result)[:3000]}\n--- stderr\n{self.stderr[-3000:]}"
+        return (
+            f"{self.name}: {json.dumps(self.result)[:3000]}\n--- stderr\n{self.stderr[-3000:]}"
+            f"\n--- the cluster's logs\n{self.cluster_logs}"
+        )
 
 
 def shout_script(turn: Turn) -> Reply:
@@ -227,7 +232,8 @@ def outcomes(
         launched[name] = (process, time.monotonic())
     with concurrent.futures.ThreadPoolExecutor(len(launched)) as waiting:
         finished = dict(zip(launched, waiting.map(_finish, launched.values()), strict=True))
-    return {name: Outcome(name, *outcome) for name, outcome in finished.items()}
+    logs = cluster.logs()
+    return {name: Outcome(name, *outcome, cluster_logs=logs) for name, outcome in finished.items()}
 
 
 def _finish(launched: tuple[subprocess.Popen[str], float]) -> tuple[dict[str, Any], float, str]:

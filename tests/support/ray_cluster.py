@@ -192,7 +192,10 @@ class RayStartCluster:
     def logs(self) -> str:
         """The tail of every node's ``ray start`` output (for a failure message)."""
         parts = []
-        for log in self._logs:
+        # The head's Ray Client proxy and the per-driver client servers it starts, whose
+        # failures a driver sees only as "see ray_client_server_PORT.err".
+        client_logs = sorted(self.root.glob("ray/session_latest/logs/ray_client_server*"))
+        for log in [*self._logs, *client_logs]:
             with contextlib.suppress(OSError):
                 parts.append(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}")
         return "\n".join(parts)

@@ -306,3 +306,52 @@ def test_sphinx_descriptions_reach_the_schema() -> None:
     props = tool_from_function(f).parameters["properties"]
     assert props["a"]["description"] == "The a."
     assert props["b"]["description"] == "The b."
+
+
+def test_values_of_their_parameters_exact_type_pass_as_they_are_others_through_the_model() -> None:
+    def scalars(
+        count: int, ratio: float, name: str | None = None, flag: bool = False, extra: Any = None
+    ) -> None: ...
+
+    tool = tool_from_function(scalars)
+    assert tool.bind_arguments is not None
+    exact = {"count": 3, "ratio": 0.5, "name": None, "flag": True, "extra": [1, {"a": 2}]}
+    assert tool.bind_arguments(exact) is exact  # what the model would return, unchanged
+    # An integer for a float, a float for an integer (JSON Schema's integer admits 2.0):
+    # the model converts, exactly as before.
+    converted = tool.bind_arguments(tool.prepare({"count": 2.0, "ratio": 1}))
+    assert converted == {"count": 2, "ratio": 1.0}
+    assert type(converted["count"]) is int
+    assert type(converted["ratio"]) is float
+
+
+class Point(pydantic.BaseModel):
+    x: int
+
+
+def test_any_other_annotation_is_always_validated_into_the_model() -> None:
+    def shout(text: Annotated[str, pydantic.AfterValidator(str.upper)]) -> None: ...
+    def place(point: Point, tags: list[str]) -> None: ...
+
+    shout_tool = tool_from_function(shout)
+    assert shout_tool.bind_arguments is not None
+    assert shout_tool.bind_arguments({"text": "hi"}) == {"text": "HI"}  # its validator ran
+    place_tool = tool_from_function(place)
+    assert place_tool.bind_arguments is not None
+    bound = place_tool.bind_arguments({"point": {"x": 1}, "tags": ["a"]})
+    assert bound == {"point": Point(x=1), "tags": ["a"]}
+
+
+@pytest.mark.anyio
+async def test_an_async_tool_is_known_as_such_once_and_awaited_on_the_loop() -> None:
+    async def hop(n: int) -> str:
+        return threading.current_thread().name
+
+    def block(n: int) -> str:
+        return threading.current_thread().name
+
+    async_tool, sync_tool = tool_from_function(hop), tool_from_function(block)
+    assert async_tool.is_async
+    assert not sync_tool.is_async
+    assert await async_tool.invoke({"n": 1}) == threading.current_thread().name
+    assert await sync_tool.invoke({"n": 1}) != threading.current_thread().name

@@ -7,6 +7,9 @@ description is the docstring's first paragraph; parameter descriptions come
 from its Google (``Args:``), Sphinx (``:param x:``) or NumPy
 (``Parameters``) section. On invoke, the prepared arguments are validated into
 that same model, so a parameter typed as a pydantic model receives the model.
+When every parameter is a bare ``str``, ``int``, ``float``, ``bool`` or ``Any``
+(or one of them ``| None``) and every value already has its parameter's exact
+type, the model would hand back the very values: they are passed as they are.
 
 It must never guess: ``*args``, ``**kwargs``, positional-only parameters and
 parameters without a type annotation are refused with a
@@ -18,7 +21,9 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Callable
+import types
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pydantic
@@ -105,8 +110,43 @@ def tool_from_function(
         parameters=parameters,
         function=fn,
         source=source,
-        bind_arguments=functools.partial(_bind, model, aliases, tool_name),
+        bind_arguments=functools.partial(
+            _bind, model, aliases, tool_name, _exact_types(signature.parameters)
+        ),
     )
+
+
+#: Annotations whose pydantic validation returns a value of exactly this type unchanged.
+_SCALARS: dict[Any, tuple[type, ...]] = {str: (str,), int: (int,), float: (float,), bool: (bool,)}
+
+
+def _exact_types(
+    parameters: Mapping[str, inspect.Parameter],
+) -> dict[str, tuple[type, ...]] | None:
+    """Per parameter, the value types the model passes through unchanged (``()``: any, for
+    ``Any``); None when some parameter's annotation is anything else (a model, a
+    constrained or annotated type, a container): then every call is validated."""
+    exact: dict[str, tuple[type, ...]] = {}
+    for name, parameter in parameters.items():
+        annotation = parameter.annotation
+        if annotation is Any:
+            exact[name] = ()
+            continue
+        members = (
+            typing.get_args(annotation)
+            if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            else (annotation,)
+        )
+        allowed: list[type] = []
+        for member in members:
+            if member is type(None):
+                allowed.append(type(None))
+            elif member in _SCALARS:
+                allowed.extend(_SCALARS[member])
+            else:
+                return None
+        exact[name] = tuple(allowed)
+    return exact
 
 
 def _check_parameter(parameter: inspect.Parameter, source: str) -> None:
@@ -129,13 +169,26 @@ def _check_parameter(parameter: inspect.Parameter, source: str) -> None:
 
 
 def _bind(
-    model: type[pydantic.BaseModel], aliases: dict[str, str], tool: str, arguments: dict[str, Any]
+    model: type[pydantic.BaseModel],
+    aliases: dict[str, str],
+    tool: str,
+    exact: dict[str, tuple[type, ...]] | None,
+    arguments: dict[str, Any],
 ) -> dict[str, Any]:
     """Keyword arguments for the function: ``arguments`` validated into the signature's model.
 
     Only the parameters the call gave are passed, so the function's own
-    defaults apply to the rest.
+    defaults apply to the rest. With ``exact`` (:func:`_exact_types`), values
+    that already have their parameter's exact type are passed as they are:
+    the model would return them unchanged.
     """
+    if exact is not None:
+        for key, value in arguments.items():
+            allowed = exact.get(key)
+            if allowed is None or (allowed and type(value) not in allowed):
+                break
+        else:
+            return arguments
     try:
         validated = model.model_validate(arguments)
     except pydantic.ValidationError as exc:

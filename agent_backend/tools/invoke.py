@@ -76,4 +76,6 @@ async def run_prepared(
     if function is None:
         raise TypeError(f"tool {tool.name!r} has no Python function; run it through a backend")
     kwargs = tool.bind_arguments(prepared) if tool.bind_arguments else prepared
+    if tool.is_async:  # call_function's first case, known once per tool (the hot path)
+        return await function(**kwargs)
     return await call_function(function, kwargs=kwargs, abandon_on_cancel=abandon_on_cancel)

@@ -24,7 +24,7 @@ from typing import Any
 
 from agent_backend.errors import SchemaError
 from agent_backend.schema import CompiledSchema, check_json_shape, compile_schema
-from agent_backend.tools.invoke import run_prepared
+from agent_backend.tools.invoke import is_async_callable, run_prepared
 
 __all__ = [
     "EXECUTION_BLOCK",
@@ -110,6 +110,8 @@ class Tool:
     bind_arguments: ArgumentBinder | None = dataclasses.field(default=None, repr=False)
     """Turns prepared arguments into ``function``'s keyword arguments (default: as they are)."""
     compiled: CompiledSchema = dataclasses.field(init=False, repr=False)
+    is_async: bool = dataclasses.field(init=False, repr=False)
+    """Whether calling ``function`` gives a coroutine (known once, not per call)."""
 
     def __post_init__(self) -> None:
         check_tool_name(self.name, source=self.source)
@@ -123,6 +125,7 @@ class Tool:
         set_field("meta", types.MappingProxyType(copy.deepcopy(dict(self.meta))))
         set_field("normalizations", tuple(self.normalizations))
         set_field("compiled", compile_schema(parameters, source=self.source))
+        set_field("is_async", self.function is not None and is_async_callable(self.function))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The compiled validator cannot cross a process boundary; the

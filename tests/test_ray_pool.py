@@ -151,9 +151,18 @@ async def test_call_returns_inline_value_and_describes_tools(pool: RayBackend) -
 
 
 async def test_bad_arguments_and_unknown_tools_are_typed(pool: RayBackend) -> None:
+    served = sum(actor.served for actor in pool.actors())
     with pytest.raises(ToolArgumentError) as info:
         await pool.call("echo", {"text": 5, "extra": 1})
     assert info.value.tool == "echo"
+    with pytest.raises(ToolArgumentError) as broken:
+        await pool.call("echo", '{"text": ')
+    assert "not valid JSON" in broken.value.issues[0].message
+    # Checked in the driver, with the schema the actors described: no actor was asked.
+    assert sum(actor.served for actor in pool.actors()) == served
+    # Repaired there too, and the repaired arguments run as they are in the actor.
+    assert "pid" in (await pool.call("hold", '{"seconds": "0.01"}')).value
+    assert sum(actor.served for actor in pool.actors()) == served + 1
     with pytest.raises(UnknownToolError) as unknown:
         await pool.call("ecko", {})
     assert "echo" in unknown.value.available

@@ -136,7 +136,11 @@ def import_function(path: str) -> Callable[..., Any]:
 Outcome = tuple[int, Any]
 VALUE, PAYLOAD, ERROR = 0, 1, 2
 #: What :meth:`ToolActor.run` takes: (tool name, arguments, whether they hold payloads).
-#: One argument rather than three: each task argument costs Ray a little per call.
+#: Arguments without payloads were prepared by the pool, in the driver, with the schema the
+#: actors described: the actor runs them as they are. Arguments with payloads hold stand-ins
+#: for them, prepared here before the payloads are restored. One argument rather than three:
+#: each task argument costs Ray a little per call. (Python work in an actor is dear: Ray runs
+#: its workers at nice 15, so on a busy node they get the CPU last.)
 Request = tuple[str, Mapping[str, Any] | str, bool]
 
 
@@ -207,6 +211,8 @@ class ToolActor:
             if has_payloads and isinstance(arguments, Mapping):
                 jsonable, payloads = split_payloads(arguments)
                 prepared = await restore_payloads(tool.prepare(jsonable), payloads)
+            elif type(arguments) is dict:
+                prepared = arguments  # prepared by the pool (see Request)
             else:
                 prepared = tool.prepare(arguments)
             # Tool.invoke minus its prepare(): payload arguments were validated as stand-ins.

@@ -339,6 +339,11 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
         started = time.monotonic()
         attempts = 0
         try:
+            if not has_payloads:
+                # Checked and repaired here, with the schema the actors described, rather
+                # than in the actor (ToolActor.Request): a model's bad arguments never take a
+                # slot, and the actor, which Ray runs at low priority, does less per call.
+                arguments = self._tools[tool].prepare(arguments)
             with anyio.move_on_after(limit):
                 while True:
                     attempts += 1

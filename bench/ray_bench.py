@@ -16,7 +16,7 @@ Reported per size: hand-off times and speedup, the driver's peak RSS growth
 (``VmHWM`` after a reset through ``/proc/self/clear_refs``), the producer's
 and both consumers' checksums, and bytes spilled (Ray's store stats). Then
 the dispatch overhead of a small call (median of single calls, interleaved in
-rotating order) against a direct call of a plain Ray actor method doing the
+a fresh random order each round) against a direct call of a plain Ray actor method doing the
 same work: through ``pool.call``, and as a model's call (JSON text arguments)
 through the ``Dispatcher``, which the daemon and rollouts use.
 Prints PASS/FAIL against the issue's figures.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -176,10 +177,15 @@ async def overhead(pool: RayBackend, calls: int) -> dict[str, float]:
                     await one(side, i)
             for side in times:
                 times[side].clear()
+            # A fresh random order each round: a call to another actor than the last one
+            # costs a wake-up of its process (about 0.5 ms here), so a fixed cycle, where each
+            # side always follows the same one, would charge it to some sides only.
             sides = list(times)
-            for i in range(calls):  # rotate who goes first, so none always follows another
-                for k in range(len(sides)):
-                    await one(sides[(i + k) % len(sides)], i)
+            shuffle = random.Random(0).shuffle
+            for i in range(calls):
+                shuffle(sides)
+                for side in sides:
+                    await one(side, i)
     finally:
         ray.kill(direct)
     direct_s = statistics.median(times["direct"])

@@ -23,7 +23,14 @@ import orjson
 
 from agent_backend.schema.parse import PLAIN_ONLY, has_big_float, has_non_finite, shallow_enough
 
-__all__ = ["ACCELERATED", "big_float", "plain_copy", "plain_copy_python", "valid_copy", "valid_copy_python"]
+__all__ = [
+    "ACCELERATED",
+    "big_float",
+    "plain_copy",
+    "plain_copy_python",
+    "valid_copy",
+    "valid_copy_python",
+]
 
 #: Subclasses of str, int, dict and list go to ``default`` (there is none, so
 #: orjson raises): only exact types pass, as in the C implementation.

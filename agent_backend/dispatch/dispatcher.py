@@ -365,7 +365,7 @@ class Dispatcher:
             try:
                 tool = self.registry.resolve(call)
                 plan = self._router.plan(tool)
-                # A hosted tool's worker checks the arguments against the same schema.
+                # A hosted tool's pool checks the arguments against the schema it described.
                 arguments: Any = (
                     call.arguments if plan.route.kind == "hosted" else tool.prepare(call.arguments)
                 )

@@ -141,7 +141,7 @@ VALUE, PAYLOAD, ERROR = 0, 1, 2
 #: for them, prepared here before the payloads are restored. One argument rather than three:
 #: each task argument costs Ray a little per call. (Python work in an actor is dear: Ray runs
 #: its workers at nice 15, so on a busy node they get the CPU last.)
-Request = tuple[str, Mapping[str, Any] | str, bool]
+Request = tuple[str, Mapping[str, Any], bool]
 
 
 class ToolActor:
@@ -208,13 +208,11 @@ class ToolActor:
             tool = self.tools.get(tool_name)
             if tool is None:
                 raise UnknownToolError(tool_name, available=list(self.tools))
-            if has_payloads and isinstance(arguments, Mapping):
+            if has_payloads:
                 jsonable, payloads = split_payloads(arguments)
                 prepared = await restore_payloads(tool.prepare(jsonable), payloads)
-            elif type(arguments) is dict:
-                prepared = arguments  # prepared by the pool (see Request)
             else:
-                prepared = tool.prepare(arguments)
+                prepared = dict(arguments)  # prepared by the pool (see Request)
             # Tool.invoke minus its prepare(): payload arguments were validated as stand-ins.
             # Not abandoned when cancelled: the pool keeps this actor's slot until the
             # function really returns, so a sync tool never runs beside the next call.

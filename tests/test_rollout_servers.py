@@ -151,6 +151,34 @@ async def test_drain_lets_in_flight_turns_finish_on_the_old_weights(
         assert results["report"].drained == 1  # type: ignore[attr-defined]
 
 
+async def test_a_drain_that_never_ends_is_refused_after_drain_timeout_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    async with rl_server() as a, PolicyServers(a.url, drain_timeout=0.2) as servers:
+        a.hold = True
+        async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
+            results: dict[str, SampledTokens] = {}
+
+            async def turn() -> None:
+                results["turn"] = await sampler.sample([1])
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(turn)
+                await a.wait_in_flight(1)
+                with pytest.raises(
+                    PolicyError, match=r"1 request\(s\) still in flight after 0\.2 s"
+                ):
+                    await servers.update_weights(checkpoint(tmp_path, 1))
+                assert not servers.updating  # the gate is open again
+                assert servers.version == 0
+                assert a.calls == []  # the server was never paused
+                a.release()
+            assert results["turn"].versions == (0, 0)
+            # With the request ended, the same update goes through.
+            report = await servers.update_weights(checkpoint(tmp_path, 1))
+            assert (report.version, report.drained) == (1, 0)
+
+
 @pytest.mark.parametrize(
     ("in_flight", "versions", "requests", "pause"),
     [

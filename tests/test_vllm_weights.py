@@ -14,10 +14,11 @@ on one xdist worker.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,12 +88,36 @@ def trained(vllm_server: VLLMServer, tmp_path_factory: pytest.TempPathFactory) -
 @pytest.fixture
 async def servers(vllm_server: VLLMServer, original: Path) -> Any:
     """The session's server behind PolicyServers; its original weights back afterwards."""
-    async with PolicyServers(vllm_server.url) as opened:
+    # Bounded: a test stopped by its timeout leaves its requests' leases held (its tasks never
+    # resume), and the restore's drain must not wait for them forever.
+    async with PolicyServers(vllm_server.url, drain_timeout=60.0) as opened:
         try:
             yield opened
         finally:
             with anyio.CancelScope(shield=True):
                 await opened.restore(original, version=0)
+
+
+def lease_taken(
+    servers: PolicyServers,
+    monkeypatch: pytest.MonkeyPatch,
+    when: Callable[[Any], bool] = lambda lease: True,
+) -> anyio.Event:
+    """Set once a request holds a lease on ``servers`` that ``when`` accepts: what the test
+    does next starts while that request is out (polling ``in_flight`` can miss a short
+    request on a loaded machine, and the test then waits for a request that has ended)."""
+    taken = anyio.Event()
+    lease = servers.lease
+
+    @contextlib.asynccontextmanager
+    async def watched(sticky: Any = None) -> AsyncIterator[Any]:
+        async with lease(sticky) as held:
+            if when(held):
+                taken.set()
+            yield held
+
+    monkeypatch.setattr(servers, "lease", watched)
+    return taken
 
 
 def forced(model: Any, prompt: Sequence[int], completion: Sequence[int]) -> list[float]:
@@ -151,8 +176,10 @@ async def test_each_in_flight_policy_on_the_real_server(
     servers: PolicyServers,
     trained: Path,
     in_flight: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     prompt = prompt_ids(vllm_server)
+    taken = lease_taken(servers, monkeypatch)
     old, new = load(vllm_server.model_dir), load(trained)
     results: dict[str, SampledTokens] = {}
     async with VLLMTokenSampler(
@@ -164,8 +191,8 @@ async def test_each_in_flight_policy_on_the_real_server(
 
         async with anyio.create_task_group() as group:
             group.start_soon(turn)
-            while servers.in_flight < 1:  # noqa: ASYNC110 (the turn's lease is taken)
-                await anyio.sleep(0.005)
+            await taken.wait()
+            assert servers.in_flight == 1  # the update below closes the gate before any await
             report = await servers.update_weights(trained, in_flight=in_flight)
             after = await sampler.sample(prompt, max_tokens=16)
     out = results["turn"]
@@ -209,7 +236,10 @@ def second_server(vllm_server: VLLMServer) -> Iterator[VLLMServer]:
 
 
 async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
-    vllm_server: VLLMServer, second_server: VLLMServer, tmp_path: Path
+    vllm_server: VLLMServer,
+    second_server: VLLMServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     template = ChatTemplate.from_pretrained(str(vllm_server.model_dir))
     prompts = [[{"role": "user", "content": f"count to {i}"}] for i in range(16)]
@@ -231,11 +261,13 @@ async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
         )
         second = servers.servers[1]
         killed_at: list[int] = []
+        # Once the second server has served a few requests and has this one in flight.
+        busy = lease_taken(
+            servers, monkeypatch, lambda lease: lease.server is second and second.requests >= 4
+        )
 
         async def kill_mid_run() -> None:
-            # Once the second server has served a few requests and has some in flight.
-            while second.requests < 4 or second.in_flight < 1:  # noqa: ASYNC110 (its state)
-                await anyio.sleep(0.002)
+            await busy.wait()
             assert second_server.pid is not None
             os.killpg(second_server.pid, signal.SIGKILL)
             killed_at.append(pool.statistics().episodes_done)

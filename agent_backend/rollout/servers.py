@@ -185,6 +185,7 @@ class PolicyServers(AsyncResource):
         max_probe_interval: float = 30.0,
         probe_timeout: float = 2.0,
         update_timeout: float = 600.0,
+        drain_timeout: float = 600.0,
         api_key: str | None = None,
     ) -> None:
         """
@@ -200,6 +201,9 @@ class PolicyServers(AsyncResource):
                 taken out, doubled per failed probe up to the maximum.
             probe_timeout: seconds a probe may take.
             update_timeout: seconds one server's part of an update may take.
+            drain_timeout: seconds a ``drain`` update (and a restore) waits for the requests
+                in flight to end; past it the update is refused (:class:`PolicyError`) and
+                nothing changes: a request that never ends must not stall the trainer forever.
             api_key: sent as ``Authorization: Bearer`` on probes and updates.
         """
         given = [urls] if isinstance(urls, str) else list(urls)
@@ -217,6 +221,9 @@ class PolicyServers(AsyncResource):
         self.max_probe_interval = max_probe_interval
         self.probe_timeout = probe_timeout
         self.update_timeout = update_timeout
+        if not drain_timeout > 0:
+            raise ValueError("drain_timeout must be positive")
+        self.drain_timeout = drain_timeout
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._version = version
         self._updating = False
@@ -474,7 +481,15 @@ class PolicyServers(AsyncResource):
                 drained = self._in_flight
                 if in_flight == "drain" and self._in_flight:
                     self._idle = anyio.Event()
-                    await self._idle.wait()
+                    with anyio.move_on_after(self.drain_timeout):
+                        await self._idle.wait()
+                    if self._in_flight:
+                        raise PolicyError(
+                            f"weight update to version {new} refused: {self._in_flight} "
+                            f"request(s) still in flight after {self.drain_timeout:g} s of "
+                            "draining (nothing was changed)",
+                            retryable=True,
+                        )
                 elif in_flight == "abort":
                     self._epoch += 1  # every answer of a request sent before is resent
                 targets = [s for s in self.servers if s.up]

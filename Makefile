@@ -66,8 +66,11 @@ pytest: $(MCP_CLIENTS)
 # Two workers (pytest-xdist): most tests wait on processes and sockets, not on the CPU. Tests
 # sharing the session's Ray or vLLM server run on one worker (tests/conftest.py groups them).
 PYTEST_WORKERS ?= 2
+# A backstop for what per-test timeouts cannot stop (a teardown after a test's timeout fired, an
+# xdist worker that crashed): interrupted, pytest still prints the failures it has seen.
+PYTEST_DEADLINE ?= 2700
 pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
-	$(BIN)/python -m pytest -W error -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup
+	timeout -s INT -k 60 $(PYTEST_DEADLINE) $(BIN)/python -m pytest -W error -q --durations=25 -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
 # side from the start they cost the longest chain's time (.venv, then its trainers and

@@ -174,6 +174,19 @@ class TestEachImplementation:
         assert copy(value, 64, size - 1) is None
         assert copy(value, 64, 24 * size) == value
 
+    @pytest.mark.parametrize("text", ["x" * 1000, "é" * 1000, 'a"\\\n' * 250])
+    def test_a_string_is_counted_exactly_when_its_worst_case_does_not_fit(
+        self, copy: Any, text: str
+    ) -> None:
+        # The C copy bounds a one-byte-per-character string by 6 bytes a character unread,
+        # and counts it when that does not fit: within a few bytes of separators of the exact
+        # size (and of \\u00XX for a control character: its bound is never under the size),
+        # far below the unread worst case.
+        value = {"text": text, "more": [text]}
+        size = len(orjson.dumps(value))
+        assert copy(value, 64, size + 8 + 2 * 4 * text.count("\n")) == value
+        assert copy(value, 64, size - 1) is None
+
     @pytest.mark.parametrize(
         "value",
         [

@@ -35,9 +35,13 @@
 #define ORJSON_MAX_DEPTH 253
 
 /* Upper bound of the compact JSON size of a str (quotes included); -1 if it
- * holds a lone surrogate, which is not UTF-8 and orjson refuses. */
+ * holds a lone surrogate, which is not UTF-8 and orjson refuses. ``room`` is
+ * the budget left: a one-byte-per-character string (ASCII or Latin-1, which
+ * cannot hold a surrogate) whose worst case (6 bytes a character, \u00XX)
+ * fits in it is bounded by that worst case without reading it; only one
+ * near the limit is counted exactly. */
 static Py_ssize_t
-str_bound(PyObject *s)
+str_bound(PyObject *s, Py_ssize_t room)
 {
 #if PY_VERSION_HEX < 0x030C0000
     if (PyUnicode_READY(s) < 0) {
@@ -46,6 +50,8 @@ str_bound(PyObject *s)
     }
 #endif
     Py_ssize_t n = PyUnicode_GET_LENGTH(s), size = n + 2, i;
+    if (PyUnicode_KIND(s) == PyUnicode_1BYTE_KIND && n <= (room - 2) / 6)
+        return 6 * n + 2;
     if (PyUnicode_IS_ASCII(s)) {
         const Py_UCS1 *p = PyUnicode_1BYTE_DATA(s);
         for (i = 0; i < n; i++) {
@@ -81,11 +87,11 @@ str_bound(PyObject *s)
 
 /* Upper bound of a scalar's compact JSON size; -1 if it is not a plain JSON scalar. */
 static Py_ssize_t
-scalar_bound(PyObject *v)
+scalar_bound(PyObject *v, Py_ssize_t room)
 {
     PyTypeObject *t = Py_TYPE(v);
     if (t == &PyUnicode_Type)
-        return str_bound(v);
+        return str_bound(v, room);
     if (t == &PyLong_Type) {
         int overflow;
         (void)PyLong_AsLongLongAndOverflow(v, &overflow);
@@ -107,14 +113,20 @@ scalar_bound(PyObject *v)
     return -1;
 }
 
+/* The JSON size left to fill; ``exact``: count every string (see str_bound). */
+typedef struct {
+    Py_ssize_t left;
+    int exact;
+} Budget;
+
 /* The checked copy of a dict or list at nesting level ``depth`` (1 for the top).
  * NULL without an exception: not plain, or over a bound. NULL with one: out of memory. */
-static PyObject *copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget);
+static PyObject *copy_container(PyObject *v, int depth, int max_depth, Budget *budget);
 
 /* Check ``item``; a container comes back in ``*copied`` as its checked copy (a new reference).
  * 1: plain; 0: not (no exception); -1: error (exception set). */
 static int
-check_item(PyObject *item, int depth, int max_depth, Py_ssize_t *budget, PyObject **copied)
+check_item(PyObject *item, int depth, int max_depth, Budget *budget, PyObject **copied)
 {
     PyTypeObject *t = Py_TYPE(item);
     *copied = NULL;
@@ -126,15 +138,15 @@ check_item(PyObject *item, int depth, int max_depth, Py_ssize_t *budget, PyObjec
             return PyErr_Occurred() ? -1 : 0;
         return 1;
     }
-    Py_ssize_t size = scalar_bound(item);
+    Py_ssize_t size = scalar_bound(item, budget->exact ? 0 : budget->left);
     if (size < 0)
         return 0;
-    *budget -= size;
-    return *budget >= 0;
+    budget->left -= size;
+    return budget->left >= 0;
 }
 
 static PyObject *
-copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
+copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
 {
     if (depth > max_depth)
         return NULL;
@@ -144,7 +156,7 @@ copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
     }
     PyObject *out;
     int ok = 1;
-    *budget -= 2;
+    budget->left -= 2;
     if (Py_TYPE(v) == &PyDict_Type) {
         Py_ssize_t pos = 0;
         PyObject *key, *value, *copied;
@@ -158,12 +170,12 @@ copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
         out = PyDict_Copy(v);
         pos = 0;
         while (out != NULL && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
-            Py_ssize_t size = str_bound(key);
+            Py_ssize_t size = str_bound(key, budget->exact ? 0 : budget->left);
             if (size < 0) {
                 ok = 0;
                 break;
             }
-            *budget -= size + 2; /* ':' and ',' */
+            budget->left -= size + 2; /* ':' and ',' */
             ok = check_item(value, depth, max_depth, budget, &copied);
             if (copied != NULL) {
                 /* Same key, new value: the key set does not change, so iteration stays valid. */
@@ -178,14 +190,14 @@ copy_container(PyObject *v, int depth, int max_depth, Py_ssize_t *budget)
         Py_ssize_t i;
         PyObject *copied;
         for (i = 0; out != NULL && ok == 1 && i < PyList_GET_SIZE(out); i++) {
-            *budget -= 1; /* ',' */
+            budget->left -= 1; /* ',' */
             ok = check_item(PyList_GET_ITEM(out, i), depth, max_depth, budget, &copied);
             if (copied != NULL && PyList_SetItem(out, i, copied) < 0) /* steals copied */
                 ok = -1;
         }
     }
     Py_LeaveRecursiveCall();
-    if (out != NULL && (ok != 1 || *budget < 0)) {
+    if (out != NULL && (ok != 1 || budget->left < 0)) {
         Py_DECREF(out);
         out = NULL;
     }
@@ -213,9 +225,15 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     /* Less than "{}" fits nothing; the check also keeps the budget from wrapping around. */
     if (Py_TYPE(args[0]) != &PyDict_Type || max_depth < 1 || overflow < 0 || max_bytes < 2)
         Py_RETURN_NONE;
-    Py_ssize_t budget = (Py_ssize_t)max_bytes;
+    Budget budget = {(Py_ssize_t)max_bytes, 0};
     int collecting = PyGC_Disable(); /* a collection would run Python code (see the top) */
     PyObject *out = copy_container(args[0], 1, (int)max_depth, &budget);
+    if (out == NULL && !PyErr_Occurred() && budget.left < 0) {
+        /* Over the bound by the worst case of some strings: counted exactly, it may fit. */
+        budget.left = (Py_ssize_t)max_bytes;
+        budget.exact = 1;
+        out = copy_container(args[0], 1, (int)max_depth, &budget);
+    }
     if (collecting)
         PyGC_Enable();
     if (out == NULL && !PyErr_Occurred())

@@ -6,6 +6,7 @@ The same against the real vLLM CPU server is tests/test_vllm_weights.py.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,22 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 async def two() -> AsyncIterator[tuple[RLServer, RLServer]]:
     async with rl_server() as a, rl_server() as b:
         yield a, b
+
+
+@contextlib.asynccontextmanager
+async def turn_held_on(
+    server: RLServer, sampler: VLLMTokenSampler, results: dict[str, SampledTokens]
+) -> AsyncIterator[None]:
+    """One turn sampling on ``server`` (which holds it), in flight for the body; its tokens
+    land in ``results["turn"]`` once the body lets it end."""
+
+    async def turn() -> None:
+        results["turn"] = await sampler.sample([1])
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(turn)
+        await server.wait_in_flight(1)
+        yield
 
 
 def test_base_url_strips_endpoints_and_v1() -> None:
@@ -158,13 +175,7 @@ async def test_a_drain_that_never_ends_is_refused_after_drain_timeout_and_change
         a.hold = True
         async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
             results: dict[str, SampledTokens] = {}
-
-            async def turn() -> None:
-                results["turn"] = await sampler.sample([1])
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(turn)
-                await a.wait_in_flight(1)
+            async with turn_held_on(a, sampler, results):
                 with pytest.raises(
                     PolicyError, match=r"1 request\(s\) still in flight after 0\.2 s"
                 ):
@@ -195,13 +206,7 @@ async def test_a_turn_held_on_the_server_across_an_update(
         a.hold = True
         async with VLLMTokenSampler(servers, model="m", max_tokens=4) as sampler:
             results: dict[str, SampledTokens] = {}
-
-            async def turn() -> None:
-                results["turn"] = await sampler.sample([1])
-
-            async with anyio.create_task_group() as group:
-                group.start_soon(turn)
-                await a.wait_in_flight(1)
+            async with turn_held_on(a, sampler, results):
                 a.hold = False
                 await servers.update_weights(checkpoint(tmp_path, 1), in_flight=in_flight)
         out = results["turn"]

@@ -26,6 +26,7 @@ worth comparing across runs.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -58,7 +59,6 @@ from agent_backend.schema.plain import (  # noqa: E402
     ACCELERATED,
     plain_copy,
     plain_copy_python,
-    valid_copy_python,
 )
 
 
@@ -170,22 +170,26 @@ def python_copy_ratio(
 ) -> float:
     """Median jsonschema is_valid / prepare_arguments (valid dict) with the pure-Python copy."""
     ratios = []
-    saved = prepare_module.plain_copy, prepare_module.valid_copy
-    # The fast paths look them up on every call.
-    prepare_module.plain_copy, prepare_module.valid_copy = plain_copy_python, valid_copy_python
+    saved = prepare_module.plain_copy, prepare_module._DictPrepare
+    # Schemas compiled meanwhile get the pure-Python prepare, which looks plain_copy up on
+    # every call; fresh copies of the schemas are compiled (the cache holds the C ones).
+    prepare_module.plain_copy, prepare_module._DictPrepare = plain_copy_python, None
     try:
         for _, schema, args, _ in cases:
+            fresh = copy.deepcopy(schema)
             validator = jsonschema.Draft202012Validator(schema)
+            prepare = prepare_module.prepare_arguments_python
+            prepare(fresh, args)
             timings = measure(
                 {
                     "jsonschema_is_valid": lambda: validator.is_valid(args),  # noqa: B023
-                    "prepare_valid_dict": lambda: prepare_arguments(schema, args),  # noqa: B023
+                    "prepare_valid_dict": lambda: prepare(fresh, args),  # noqa: B023
                 },
                 repeats,
             )
             ratios.append(timings["jsonschema_is_valid"] / timings["prepare_valid_dict"])
     finally:
-        prepare_module.plain_copy, prepare_module.valid_copy = saved
+        prepare_module.plain_copy, prepare_module._DictPrepare = saved
     return statistics.median(ratios)
 
 

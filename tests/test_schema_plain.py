@@ -10,7 +10,9 @@ from __future__ import annotations
 import collections
 import enum
 import gc
+import inspect
 import os
+import pickle
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_backend.errors import ConfigError, ToolArgumentError
-from agent_backend.schema import Limits, compile_schema
+from agent_backend.schema import Limits, compile_schema, prepare_arguments
 from agent_backend.schema import plain as plain_module
 from agent_backend.schema import prepare as prepare_module
 from agent_backend.schema.parse import has_big_float
@@ -30,8 +32,6 @@ from agent_backend.schema.plain import (
     big_float,
     plain_copy,
     plain_copy_python,
-    valid_copy,
-    valid_copy_python,
 )
 
 accelerated = pytest.mark.skipif(not ACCELERATED, reason="the C accelerator is not built")
@@ -372,10 +372,16 @@ def test_the_accelerator_is_built_under_ci() -> None:
         )
     # The fast path calls the implementation plain.py selected: the compiled one when built.
     assert prepare_module.plain_copy is plain_module.plain_copy
-    assert prepare_module.valid_copy is plain_module.valid_copy
     expected = "agent_backend.schema._plain" if ACCELERATED else "agent_backend.schema.plain"
     assert plain_module.plain_copy.__module__ == expected
-    assert plain_module.valid_copy.__module__ == expected
+    prepare = compile_schema({"type": "object"}).prepare
+    if ACCELERATED:  # the hot path of prepare itself runs in C
+        assert type(prepare) is plain_module.DictPrepare
+        assert type(prepare_module.prepare_arguments) is plain_module.CachedPrepare
+    else:
+        assert plain_module.DictPrepare is None
+        assert plain_module.CachedPrepare is None
+        assert prepare_module.prepare_arguments is prepare_module.prepare_arguments_python
 
 
 SCHEMAS = [
@@ -393,68 +399,166 @@ SCHEMAS = [
 ]
 
 
+def python_compiled(schema: Any) -> Any:
+    """``schema`` compiled as an install without the C extension has it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prepare_module, "_DictPrepare", None)
+        compiled = compile_schema(schema)
+    assert type(compiled.prepare) is not plain_module.DictPrepare
+    return compiled
+
+
+def answer(prepare: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    try:
+        return ("ok", prepare(*args, **kwargs))
+    except ToolArgumentError as exc:
+        return ("error", (exc.tool, [issue.pointer for issue in exc.issues]))
+
+
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
 @given(value=objects(odd=True))
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_prepare_answers_the_same_with_either_copy(index: int, value: dict[Any, Any]) -> None:
-    compiled = compile_schema(SCHEMAS[index])
+    """The pure-Python prepare with either copy, and (when built) the C prepare."""
+    schema = SCHEMAS[index]
     answers = []
     for copy in IMPLEMENTATIONS:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(prepare_module, "plain_copy", copy)
-            try:
-                answers.append(("ok", compiled.prepare(value)))
-            except ToolArgumentError as exc:
-                answers.append(("error", [issue.pointer for issue in exc.issues]))
-    assert all(answer == answers[0] for answer in answers), answers
+            answers.append(answer(python_compiled(schema).prepare, value))
+    if ACCELERATED:
+        compiled = compile_schema(schema)
+        answers.append(answer(compiled.prepare, value))
+        answers.append(answer(compiled.prepare, value, tool="t"))
+        answers.append(answer(prepare_arguments, schema, value))
+    oks = {kind for kind, _ in answers}
+    assert len(oks) == 1, answers
     if answers[0][0] == "ok":
+        assert all(out == answers[0][1] for _, out in answers), answers
         assert is_json(answers[0][1])
+        for _, out in answers:
+            assert out is not value
+            assert not any(id(c) in {id(d) for d in containers(value)} for c in containers(out))
+    else:
+        pointers = {tuple(out[1]) for _, out in answers}
+        assert len(pointers) == 1, answers
 
 
-# -- valid_copy: prepare_arguments' hot path in one call -------------------------------------
+# -- the C prepare: the Python functions' answers, without their frames ---------------------
 
-VALID_COPIES: list[Any] = [valid_copy_python]
-if ACCELERATED:
-    VALID_COPIES.append(valid_copy)
-
-
-@pytest.mark.parametrize("index", range(len(SCHEMAS)))
-@pytest.mark.parametrize("fast", VALID_COPIES, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
-@given(value=objects(odd=True))
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_valid_copy_is_the_copy_of_what_validates_else_none(
-    index: int, fast: Any, value: dict[Any, Any]
-) -> None:
-    schema = SCHEMAS[index]
-    compiled = compile_schema(schema)
-    cache = {id(schema): (schema, compiled.prepare, compiled.is_valid, 64, 1_000_000)}
-    out = fast(cache, schema, value)
-    copied = plain_copy_python(value, 64, 1_000_000)
-    if copied is None or not compiled.is_valid(copied):
-        assert out is None
-        return
-    assert out == copied
-    assert is_json(out)
-    assert out is not value
-    assert not any(id(c) in {id(d) for d in containers(value)} for c in containers(out))
+CALL_SHAPES: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+    ((), {}),
+    (("calc",), {}),
+    (("calc", False), {}),
+    (("calc", True), {}),
+    ((), {"tool": "calc"}),
+    ((None,), {"inject_defaults": False}),
+    ((), {"tool": "calc", "inject_defaults": True}),
+    ((), {"inject_defaults": 0}),
+]
 
 
-@pytest.mark.parametrize("fast", VALID_COPIES, ids=lambda f: f.__module__.rsplit(".", 1)[-1])
-def test_valid_copy_only_for_the_very_schema_of_the_entry(fast: Any) -> None:
-    schema: dict[str, Any] = {"type": "object"}
-    other: dict[str, Any] = {"type": "object"}
-    compiled = compile_schema(schema)
-    entry = (schema, compiled.prepare, compiled.is_valid, 64, 1_000_000)
-    value = {"a": [1, {"b": None}]}
-    assert fast({id(schema): entry}, schema, value) == value
-    assert fast({id(other): entry}, other, value) is None  # an id reused by another schema
-    assert fast({}, schema, value) is None
-    assert fast({id(schema): entry}, schema, '{"a": 1}') is None  # text takes the parse path
-    assert fast({id(schema): entry}, schema, {"a": {1, 2}}) is None  # not plain
-    refusing = (schema, compiled.prepare, lambda value: False, 64, 1_000_000)
-    assert fast({id(schema): refusing}, schema, value) is None
-    shallow = (schema, compiled.prepare, compiled.is_valid, 1, 1_000_000)
-    assert fast({id(schema): shallow}, schema, value) is None  # the depth bound holds
+@accelerated
+@pytest.mark.parametrize("value", [{"n": 1}, {"n": "2"}, {"n": "x"}, {}, {"n": {1}}, '{"n": 3}'])
+@pytest.mark.parametrize("shape", range(len(CALL_SHAPES)))
+def test_the_c_prepare_answers_every_call_shape_as_the_python_one(value: Any, shape: int) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "d": {"type": "string", "default": "x"}},
+        "required": ["n"],
+    }
+    args, kwargs = CALL_SHAPES[shape]
+    expected = answer(python_compiled(schema).prepare, value, *args, **kwargs)
+    assert answer(compile_schema(schema).prepare, value, *args, **kwargs) == expected
+    keywords = dict(zip(("tool", "inject_defaults"), args, strict=False)) | kwargs
+    expected = answer(prepare_module.prepare_arguments_python, schema, value, **keywords)
+    assert answer(prepare_arguments, schema, value, **keywords) == expected
+    assert answer(prepare_arguments, schema=schema, arguments=value, **keywords) == expected
+
+
+@accelerated
+def test_the_c_prepare_arguments_stands_for_the_python_function() -> None:
+    python = prepare_module.prepare_arguments_python
+    assert prepare_arguments.__wrapped__ is python
+    assert inspect.signature(prepare_arguments) == inspect.signature(python)
+    assert prepare_arguments.__doc__ == python.__doc__
+    assert prepare_arguments.__name__ == "prepare_arguments"
+    assert "prepare_arguments" in repr(prepare_arguments)
+    assert pickle.loads(pickle.dumps(prepare_arguments)) is prepare_arguments
+    compiled = compile_schema({"type": "object"})
+    assert inspect.signature(compiled.prepare) == inspect.signature(compiled.prepare.__wrapped__)
+    schema = {"type": "object"}
+    # Mistakes in the call are the Python function's own errors, naming it.
+    for args, kwargs in [
+        ((schema,), {}),
+        ((schema, {}, "calc"), {}),
+        ((schema, {}), {"tol": "calc"}),
+        ((schema, {}), {"tool": "a", "schema": schema}),
+    ]:
+        with pytest.raises(TypeError, match="prepare_arguments") as info:
+            prepare_arguments(*args, **kwargs)
+        with pytest.raises(TypeError) as python_info:
+            python(*args, **kwargs)
+        assert str(info.value) == str(python_info.value)
+    with pytest.raises(TypeError):
+        compiled.prepare()
+    with pytest.raises(TypeError):
+        compiled.prepare({}, None, False, "extra")
+
+
+@accelerated
+def test_the_c_prepare_arguments_follows_the_cache_and_holds_what_it_runs() -> None:
+    """Alternating schemas, an entry evicted or replaced meanwhile, a CompiledSchema: each
+    call is answered for its own schema; nothing the C side holds is freed under it."""
+    schemas = [
+        {"type": "object", "properties": {"n": {"type": "integer", "maximum": limit}}}
+        for limit in range(5)
+    ]
+    for round_ in range(3):
+        for limit, schema in enumerate(schemas):
+            assert prepare_arguments(schema, {"n": limit}) == {"n": limit}
+            with pytest.raises(ToolArgumentError):
+                prepare_arguments(schema, {"n": limit + 1})
+            if round_ == 1:
+                prepare_module._cache.pop(id(schema), None)  # evicted: compiled again
+    compiled = compile_schema(schemas[0])
+    assert prepare_arguments(compiled, {"n": "0"}) == {"n": 0}
+    before = [sys.getrefcount(schema) for schema in schemas]
+    value = {"n": 0, "x": [1, {"y": "z"}]}
+    held = [sys.getrefcount(value), sys.getrefcount(value["x"])]
+    for _ in range(1000):
+        prepare_arguments(schemas[0], value)
+        prepare_arguments(schemas[1], {"n": "1"})
+    assert [sys.getrefcount(value), sys.getrefcount(value["x"])] == held
+    assert [sys.getrefcount(schema) for schema in schemas] == before
+
+
+@accelerated
+def test_an_is_valid_that_raises_or_answers_oddly_is_passed_through() -> None:
+    def repair(arguments: Any, tool: Any, parsed: Any) -> Any:
+        return ("repaired", tool, parsed)
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        return ("slow", args, kwargs)
+
+    def boom(value: Any) -> bool:
+        raise RuntimeError("validator failed")
+
+    assert plain_module.DictPrepare is not None
+    raising = plain_module.DictPrepare(boom, 64, BIG, slow, repair)
+    with pytest.raises(RuntimeError, match="validator failed"):
+        raising({"a": 1})
+    assert raising("text", tool="t") == ("slow", ("text",), {"tool": "t"})
+    truthy = plain_module.DictPrepare(lambda value: [1], 64, BIG, slow, repair)
+    assert truthy({"a": [1]}) == {"a": [1]}
+    falsy = plain_module.DictPrepare(lambda value: 0, 64, BIG, slow, repair)
+    assert falsy({"a": 1}, "t") == ("repaired", "t", {"a": 1})
+    shallow = plain_module.DictPrepare(lambda value: True, 0, BIG, slow, repair)
+    assert shallow({"a": 1}) == ("slow", ({"a": 1},), {})  # the bounds admit no copy
+    with pytest.raises(TypeError):
+        plain_module.DictPrepare(None, 64, BIG, slow, repair)
+    with pytest.raises(TypeError):
+        plain_module.CachedPrepare([], slow)
 
 
 json_values = st.recursive(

@@ -23,6 +23,9 @@
  * big_float(value) -> bool tells whether parsed JSON holds a float of
  * magnitude >= 2**63 (parse.has_big_float in C).
  *
+ * DictPrepare and CachedPrepare are the hot path of prepare (a valid plain dict:
+ * copy, validate, return) as callables without a Python frame; see below.
+ *
  * agent_backend/schema/plain.py has the pure-Python equivalent, used when
  * this module is not built; tests/test_schema_plain.py holds both to the
  * same answers.
@@ -30,6 +33,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stddef.h>
 
 /* orjson refuses to encode 254 levels or more; deeper input takes the checked path. */
 #define ORJSON_MAX_DEPTH 253
@@ -158,24 +162,40 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
     int ok = 1;
     budget->left -= 2;
     if (Py_TYPE(v) == &PyDict_Type) {
-        Py_ssize_t pos = 0;
+        Py_ssize_t pos = 0, nested = 0;
         PyObject *key, *value, *copied;
-        /* Exact str keys first: PyDict_Copy may compare other keys with their __eq__. */
+        /* One pass over the input checks the keys (exact str first: PyDict_Copy may compare
+         * other keys with their __eq__) and the scalar values; the nested containers are
+         * then replaced in the copy by their own checked copies. No Python code runs in
+         * between, so the copy holds what was checked. */
         while (PyDict_Next(v, &pos, &key, &value)) {
-            if (!PyUnicode_CheckExact(key)) {
+            Py_ssize_t size = -1;
+            if (PyUnicode_CheckExact(key))
+                size = str_bound(key, budget->exact ? 0 : budget->left);
+            if (size < 0) {
+                Py_LeaveRecursiveCall();
+                return NULL;
+            }
+            budget->left -= size + 2; /* ':' and ',' */
+            PyTypeObject *t = Py_TYPE(value);
+            if (t == &PyDict_Type || t == &PyList_Type) {
+                nested++;
+                continue;
+            }
+            size = scalar_bound(value, budget->exact ? 0 : budget->left);
+            budget->left -= size;
+            if (size < 0 || budget->left < 0) {
                 Py_LeaveRecursiveCall();
                 return NULL;
             }
         }
         out = PyDict_Copy(v);
         pos = 0;
-        while (out != NULL && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
-            Py_ssize_t size = str_bound(key, budget->exact ? 0 : budget->left);
-            if (size < 0) {
-                ok = 0;
-                break;
-            }
-            budget->left -= size + 2; /* ':' and ',' */
+        while (out != NULL && nested > 0 && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
+            PyTypeObject *t = Py_TYPE(value);
+            if (t != &PyDict_Type && t != &PyList_Type)
+                continue;
+            nested--;
             ok = check_item(value, depth, max_depth, budget, &copied);
             if (copied != NULL) {
                 /* Same key, new value: the key set does not change, so iteration stays valid. */
@@ -204,6 +224,49 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
     return out;
 }
 
+/* Bounds as plain_copy takes them, from Python ints: 1 if read, 0 if they admit
+ * nothing (the copy is then never made), -1 on error. */
+static int
+read_bounds(PyObject *depth_arg, PyObject *bytes_arg, long long *max_depth, long long *max_bytes)
+{
+    int overflow;
+    *max_depth = PyLong_AsLongLongAndOverflow(depth_arg, &overflow);
+    if (*max_depth == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0 || *max_depth > ORJSON_MAX_DEPTH)
+        *max_depth = ORJSON_MAX_DEPTH;
+    if (overflow < 0 || *max_depth < 1)
+        return 0;
+    *max_bytes = PyLong_AsLongLongAndOverflow(bytes_arg, &overflow);
+    if (*max_bytes == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow > 0 || *max_bytes > PY_SSIZE_T_MAX / 2)
+        *max_bytes = PY_SSIZE_T_MAX / 2; /* no bound in practice; room below it for the sums */
+    /* Less than "{}" fits nothing; the check also keeps the budget from wrapping around. */
+    return overflow >= 0 && *max_bytes >= 2;
+}
+
+/* The checked copy of ``value`` within bounds already read (see read_bounds); NULL without
+ * an exception: not a plain JSON object within them. NULL with one: out of memory. */
+static PyObject *
+checked_copy(PyObject *value, long long max_depth, long long max_bytes)
+{
+    if (Py_TYPE(value) != &PyDict_Type)
+        return NULL;
+    Budget budget = {(Py_ssize_t)max_bytes, 0};
+    int collecting = PyGC_Disable(); /* a collection would run Python code (see the top) */
+    PyObject *out = copy_container(value, 1, (int)max_depth, &budget);
+    if (out == NULL && !PyErr_Occurred() && budget.left < 0) {
+        /* Over the bound by the worst case of some strings: counted exactly, it may fit. */
+        budget.left = (Py_ssize_t)max_bytes;
+        budget.exact = 1;
+        out = copy_container(value, 1, (int)max_depth, &budget);
+    }
+    if (collecting)
+        PyGC_Enable();
+    return out;
+}
+
 static PyObject *
 plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -211,92 +274,351 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "plain_copy(value, max_depth, max_bytes) takes 3 arguments");
         return NULL;
     }
-    int overflow;
-    long long max_depth = PyLong_AsLongLongAndOverflow(args[1], &overflow);
-    if (max_depth == -1 && PyErr_Occurred())
+    long long max_depth = 0, max_bytes = 0;
+    int bounds = read_bounds(args[1], args[2], &max_depth, &max_bytes);
+    if (bounds < 0)
         return NULL;
-    if (overflow > 0 || max_depth > ORJSON_MAX_DEPTH)
-        max_depth = ORJSON_MAX_DEPTH;
-    long long max_bytes = PyLong_AsLongLongAndOverflow(args[2], &overflow);
-    if (max_bytes == -1 && PyErr_Occurred())
-        return NULL;
-    if (overflow > 0 || max_bytes > PY_SSIZE_T_MAX / 2)
-        max_bytes = PY_SSIZE_T_MAX / 2; /* no bound in practice; room below it for the sums */
-    /* Less than "{}" fits nothing; the check also keeps the budget from wrapping around. */
-    if (Py_TYPE(args[0]) != &PyDict_Type || max_depth < 1 || overflow < 0 || max_bytes < 2)
-        Py_RETURN_NONE;
-    Budget budget = {(Py_ssize_t)max_bytes, 0};
-    int collecting = PyGC_Disable(); /* a collection would run Python code (see the top) */
-    PyObject *out = copy_container(args[0], 1, (int)max_depth, &budget);
-    if (out == NULL && !PyErr_Occurred() && budget.left < 0) {
-        /* Over the bound by the worst case of some strings: counted exactly, it may fit. */
-        budget.left = (Py_ssize_t)max_bytes;
-        budget.exact = 1;
-        out = copy_container(args[0], 1, (int)max_depth, &budget);
-    }
-    if (collecting)
-        PyGC_Enable();
+    PyObject *out = bounds ? checked_copy(args[0], max_depth, max_bytes) : NULL;
     if (out == NULL && !PyErr_Occurred())
         Py_RETURN_NONE;
     return out;
 }
 
-/* valid_copy(cache, schema, value) -> dict | None
+/* -- The hot path of prepare, as callables without a Python frame ------------------------
  *
- * prepare_arguments' hot path in one call: ``cache[id(schema)]`` is an entry
- * ``(schema, prepare, is_valid, max_depth, max_bytes)`` for this very schema,
- * ``value`` is a dict, its checked copy (as plain_copy makes it) exists and
- * ``is_valid(copy)`` is true: then the copy; else None (the caller takes its
- * full path, which copies, checks and validates again and says what is wrong).
- * is_valid runs on the copy, which only this call holds, after the copy is
- * complete and the garbage collector back on. */
-static PyObject *
-valid_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+ * DictPrepare(is_valid, max_depth, max_bytes, slow, invalid) is a schema's prepare:
+ * called as ``(arguments, tool=None, inject_defaults=False)``. For a dict (not injecting
+ * defaults) it makes the checked copy and returns it if ``is_valid(copy)``; an invalid copy
+ * goes to ``invalid(arguments, tool, copy)`` (the full pipeline, which repairs it). Every
+ * other call, and a dict that is not plain, goes to ``slow`` exactly as it came, so ``slow``
+ * (the same function written in Python) answers, and reports the caller's mistakes.
+ *
+ * CachedPrepare(cache, slow) is prepare_arguments: called as ``(schema, arguments, *,
+ * tool=None, inject_defaults=False)``, it finds ``cache[id(schema)]``, an entry
+ * ``(schema, prepare, ...)`` of this very schema, and runs its DictPrepare as above;
+ * anything else (a schema not compiled yet, another call shape) goes to ``slow``.
+ *
+ * is_valid runs on the copy, which only this call holds, once it is complete and the
+ * garbage collector is back on. Both types have a ``__dict__`` (Python sets __wrapped__,
+ * __doc__ and the names, so inspect and help show the Python function they stand for). */
+
+static PyObject *str_tool, *str_inject_defaults;
+
+static int
+same_name(PyObject *name, PyObject *interned)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "valid_copy(cache, schema, value) takes 3 arguments");
-        return NULL;
+    return name == interned || PyUnicode_Compare(name, interned) == 0;
+}
+
+/* Reads ``(arguments, tool=None, inject_defaults=False)`` from a vectorcall whose
+ * ``nargs`` (1 to 3) positionals start with ``arguments``: 1 if the fast path may take it
+ * (``inject_defaults`` absent or False), 0 if the call goes to the Python function as is. */
+static int
+read_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **tool)
+{
+    PyObject *inject = nargs >= 3 ? args[2] : NULL;
+    *tool = nargs >= 2 ? args[1] : Py_None;
+    if (nargs < 1 || nargs > 3)
+        return 0;
+    if (kwnames != NULL) {
+        Py_ssize_t i, n = PyTuple_GET_SIZE(kwnames);
+        for (i = 0; i < n; i++) {
+            PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+            if (nargs < 2 && same_name(name, str_tool))
+                *tool = args[nargs + i];
+            else if (nargs < 3 && same_name(name, str_inject_defaults))
+                inject = args[nargs + i];
+            else
+                return 0; /* a name given twice or unknown: the Python function says so */
+        }
     }
-    PyObject *cache = args[0], *schema = args[1], *value = args[2];
-    if (Py_TYPE(value) != &PyDict_Type || !PyDict_CheckExact(cache))
-        Py_RETURN_NONE;
-    PyObject *key = PyLong_FromVoidPtr(schema); /* id(schema) */
-    if (key == NULL)
-        return NULL;
-    PyObject *entry = PyDict_GetItemWithError(cache, key); /* borrowed */
-    Py_DECREF(key);
-    if (entry == NULL) {
-        if (PyErr_Occurred())
+    return inject == NULL || inject == Py_False;
+}
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *is_valid, *slow, *invalid, *dict;
+    long long max_depth, max_bytes;
+    int copies; /* 0: the bounds admit no copy */
+} DictPrepare;
+
+static PyTypeObject DictPrepareType;
+
+/* The fast path of a call already read; ``args``/``nargsf``/``kwnames`` are the call as it
+ * came (``arguments`` first), passed on to ``slow`` unchanged when the fast path declines. */
+static PyObject *
+dict_prepare_run(DictPrepare *self, PyObject *arguments, PyObject *tool, PyObject *const *args,
+                 size_t nargsf, PyObject *kwnames)
+{
+    PyObject *copied = NULL;
+    if (self->copies && Py_TYPE(arguments) == &PyDict_Type) {
+        copied = checked_copy(arguments, self->max_depth, self->max_bytes);
+        if (copied == NULL && PyErr_Occurred())
             return NULL;
-        Py_RETURN_NONE;
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 5 ||
-        PyTuple_GET_ITEM(entry, 0) != schema)
-        Py_RETURN_NONE;
-    Py_INCREF(entry); /* held while is_valid runs: a concurrent eviction cannot free it */
-    PyObject *is_valid = PyTuple_GET_ITEM(entry, 2);
-    PyObject *bounds[2] = {PyTuple_GET_ITEM(entry, 3), PyTuple_GET_ITEM(entry, 4)};
-    PyObject *copy_args[3] = {value, bounds[0], bounds[1]};
-    PyObject *copied = plain_copy(NULL, copy_args, 3);
-    if (copied == NULL || copied == Py_None) {
-        Py_DECREF(entry);
-        return copied;
-    }
-    PyObject *verdict = PyObject_CallOneArg(is_valid, copied);
-    Py_DECREF(entry);
+    if (copied == NULL)
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    PyObject *verdict = PyObject_CallOneArg(self->is_valid, copied);
     if (verdict == NULL) {
         Py_DECREF(copied);
         return NULL;
     }
-    int ok = PyObject_IsTrue(verdict);
+    int ok = verdict == Py_True ? 1 : verdict == Py_False ? 0 : PyObject_IsTrue(verdict);
     Py_DECREF(verdict);
     if (ok == 1)
         return copied;
-    Py_DECREF(copied);
-    if (ok < 0)
+    if (ok < 0) {
+        Py_DECREF(copied);
         return NULL;
-    Py_RETURN_NONE;
+    }
+    PyObject *invalid_args[3] = {arguments, tool, copied};
+    PyObject *out = PyObject_Vectorcall(self->invalid, invalid_args, 3, NULL);
+    Py_DECREF(copied);
+    return out;
 }
+
+static PyObject *
+dict_prepare_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    DictPrepare *self = (DictPrepare *)op;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *tool;
+    if (read_call(args, nargs, kwnames, &tool))
+        return dict_prepare_run(self, args[0], tool, args, nargsf, kwnames);
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+static PyObject *
+dict_prepare_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *is_valid, *depth_arg, *bytes_arg, *slow, *invalid;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "DictPrepare() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "DictPrepare", 5, 5, &is_valid, &depth_arg, &bytes_arg, &slow,
+                           &invalid))
+        return NULL;
+    if (!PyCallable_Check(is_valid) || !PyCallable_Check(slow) || !PyCallable_Check(invalid)) {
+        PyErr_SetString(PyExc_TypeError, "DictPrepare(is_valid, max_depth, max_bytes, slow, "
+                                         "invalid): is_valid, slow and invalid must be callable");
+        return NULL;
+    }
+    if (!PyLong_Check(depth_arg) || !PyLong_Check(bytes_arg)) {
+        PyErr_SetString(PyExc_TypeError, "DictPrepare: max_depth and max_bytes must be int");
+        return NULL;
+    }
+    long long max_depth = 0, max_bytes = 0;
+    int copies = read_bounds(depth_arg, bytes_arg, &max_depth, &max_bytes);
+    if (copies < 0)
+        return NULL;
+    DictPrepare *self = (DictPrepare *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = dict_prepare_call;
+    self->is_valid = Py_NewRef(is_valid);
+    self->slow = Py_NewRef(slow);
+    self->invalid = Py_NewRef(invalid);
+    self->dict = NULL;
+    self->max_depth = max_depth;
+    self->max_bytes = max_bytes;
+    self->copies = copies;
+    return (PyObject *)self;
+}
+
+static int
+dict_prepare_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    DictPrepare *self = (DictPrepare *)op;
+    Py_VISIT(self->is_valid);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->invalid);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+dict_prepare_clear(PyObject *op)
+{
+    DictPrepare *self = (DictPrepare *)op;
+    Py_CLEAR(self->is_valid);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->invalid);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void
+prepare_dealloc(PyObject *op)
+{
+    PyObject_GC_UnTrack(op);
+    Py_TYPE(op)->tp_clear(op);
+    Py_TYPE(op)->tp_free(op);
+}
+
+/* ``<qualname (what it is)>`` from the names Python gave it. */
+static PyObject *
+prepare_repr(PyObject *op)
+{
+    PyObject *name = PyObject_GetAttrString(op, "__qualname__");
+    if (name == NULL || !PyUnicode_Check(name)) {
+        PyErr_Clear();
+        Py_XDECREF(name);
+        return PyUnicode_FromFormat("<%s object at %p>", Py_TYPE(op)->tp_name, op);
+    }
+    PyObject *out = PyUnicode_FromFormat("<%U, the C fast path (%s)>", name, Py_TYPE(op)->tp_name);
+    Py_DECREF(name);
+    return out;
+}
+
+static PyGetSetDef prepare_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject DictPrepareType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.DictPrepare",
+    .tp_doc = "DictPrepare(is_valid, max_depth, max_bytes, slow, invalid)\n\n"
+              "A schema's prepare(arguments, tool=None, inject_defaults=False): a valid plain\n"
+              "dict is copied and checked here; everything else goes to slow (or invalid).",
+    .tp_basicsize = sizeof(DictPrepare),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = dict_prepare_new,
+    .tp_dealloc = prepare_dealloc,
+    .tp_traverse = dict_prepare_traverse,
+    .tp_clear = dict_prepare_clear,
+    .tp_repr = prepare_repr,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(DictPrepare, vectorcall),
+    .tp_dictoffset = offsetof(DictPrepare, dict),
+    .tp_getset = prepare_getset,
+};
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *cache, *slow, *dict;
+    /* The entry found last, held: a run of calls for one schema (a tool called in a loop)
+     * skips the dict lookup. Holding it holds its schema, so no other object can take the
+     * address compared; an entry evicted from the cache is still that schema's prepare. */
+    PyObject *last;
+} CachedPrepare;
+
+static PyObject *
+cached_prepare_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    CachedPrepare *self = (CachedPrepare *)op;
+    PyObject *tool;
+    if (PyVectorcall_NARGS(nargsf) == 2 && read_call(args + 1, 1, kwnames, &tool)) {
+        PyObject *schema = args[0], *entry = self->last;
+        if (entry == NULL || PyTuple_GET_ITEM(entry, 0) != schema) {
+            PyObject *key = PyLong_FromVoidPtr(schema); /* id(schema) */
+            if (key == NULL)
+                return NULL;
+            entry = PyDict_GetItemWithError(self->cache, key); /* borrowed */
+            Py_DECREF(key);
+            if (entry == NULL && PyErr_Occurred())
+                return NULL;
+            if (entry == NULL || !PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 2 ||
+                PyTuple_GET_ITEM(entry, 0) != schema ||
+                !Py_IS_TYPE(PyTuple_GET_ITEM(entry, 1), &DictPrepareType))
+                entry = NULL;
+            else
+                Py_XSETREF(self->last, Py_NewRef(entry));
+        }
+        if (entry != NULL) {
+            /* Held while it runs: neither an eviction nor a newer ``last`` can free it. */
+            PyObject *prepare = Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+            PyObject *out = dict_prepare_run((DictPrepare *)prepare, args[1], tool, args + 1, 1,
+                                             kwnames);
+            Py_DECREF(prepare);
+            return out;
+        }
+    }
+    return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+}
+
+static PyObject *
+cached_prepare_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *cache, *slow;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "CachedPrepare() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "CachedPrepare", 2, 2, &cache, &slow))
+        return NULL;
+    if (!PyDict_CheckExact(cache) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "CachedPrepare(cache, slow): cache must be a dict, slow callable");
+        return NULL;
+    }
+    CachedPrepare *self = (CachedPrepare *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = cached_prepare_call;
+    self->cache = Py_NewRef(cache);
+    self->slow = Py_NewRef(slow);
+    self->dict = NULL;
+    self->last = NULL;
+    return (PyObject *)self;
+}
+
+static int
+cached_prepare_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    CachedPrepare *self = (CachedPrepare *)op;
+    Py_VISIT(self->cache);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    Py_VISIT(self->last);
+    return 0;
+}
+
+static int
+cached_prepare_clear(PyObject *op)
+{
+    CachedPrepare *self = (CachedPrepare *)op;
+    Py_CLEAR(self->cache);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->last);
+    return 0;
+}
+
+/* Pickled by reference, as the module-level function it stands for. */
+static PyObject *
+cached_prepare_reduce(PyObject *op, PyObject *Py_UNUSED(ignored))
+{
+    return PyObject_GetAttrString(op, "__qualname__");
+}
+
+static PyMethodDef cached_prepare_methods[] = {
+    {"__reduce__", cached_prepare_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CachedPrepareType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.CachedPrepare",
+    .tp_doc = "CachedPrepare(cache, slow)\n\n"
+              "prepare_arguments(schema, arguments, *, tool=None, inject_defaults=False) for a\n"
+              "schema in cache: its DictPrepare runs here; everything else goes to slow.",
+    .tp_basicsize = sizeof(CachedPrepare),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_new = cached_prepare_new,
+    .tp_dealloc = prepare_dealloc,
+    .tp_traverse = cached_prepare_traverse,
+    .tp_clear = cached_prepare_clear,
+    .tp_repr = prepare_repr,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(CachedPrepare, vectorcall),
+    .tp_dictoffset = offsetof(CachedPrepare, dict),
+    .tp_getset = prepare_getset,
+    .tp_methods = cached_prepare_methods,
+};
 
 /* big_float(value) -> bool
  *
@@ -343,10 +665,6 @@ static PyMethodDef plain_methods[] = {
     {"plain_copy", (PyCFunction)(void (*)(void))plain_copy, METH_FASTCALL,
      "plain_copy(value, max_depth, max_bytes) -> dict | None\n\n"
      "A deep copy of a plain JSON object within the bounds, or None."},
-    {"valid_copy", (PyCFunction)(void (*)(void))valid_copy, METH_FASTCALL,
-     "valid_copy(cache, schema, value) -> dict | None\n\n"
-     "prepare_arguments' hot path: the checked copy of value when cache[id(schema)]\n"
-     "is schema's entry and its is_valid accepts the copy; else None."},
     {"big_float", (PyCFunction)big_float, METH_O,
      "big_float(value) -> bool\n\n"
      "Whether parsed JSON holds a float of magnitude >= 2**63 anywhere."},
@@ -364,5 +682,19 @@ static struct PyModuleDef plain_module = {
 PyMODINIT_FUNC
 PyInit__plain(void)
 {
-    return PyModule_Create(&plain_module);
+    str_tool = PyUnicode_InternFromString("tool");
+    str_inject_defaults = PyUnicode_InternFromString("inject_defaults");
+    if (str_tool == NULL || str_inject_defaults == NULL)
+        return NULL;
+    if (PyType_Ready(&DictPrepareType) < 0 || PyType_Ready(&CachedPrepareType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&plain_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "DictPrepare", (PyObject *)&DictPrepareType) < 0 ||
+        PyModule_AddObjectRef(module, "CachedPrepare", (PyObject *)&CachedPrepareType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -11,25 +11,30 @@ Two implementations give the same answers (``tests/test_schema_plain.py``):
 the C extension ``_plain`` (built by ``setup.py`` when a compiler is there;
 one pass that copies and checks), and the pure-Python one below (orjson
 checks and sizes; several times slower on small objects). :data:`ACCELERATED` says
-which one is in use.
+which one is in use. When built, the C extension also holds the hot path of
+``prepare`` itself (``DictPrepare``, ``CachedPrepare``): copy, validate and return a
+valid dict without a Python frame.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from agent_backend.schema.parse import PLAIN_ONLY, has_big_float, has_non_finite, shallow_enough
 
+if TYPE_CHECKING:
+    from agent_backend.schema import _plain
+
 __all__ = [
     "ACCELERATED",
+    "CachedPrepare",
+    "DictPrepare",
     "big_float",
     "plain_copy",
     "plain_copy_python",
-    "valid_copy",
-    "valid_copy_python",
 ]
 
 #: Subclasses of str, int, dict and list go to ``default`` (there is none, so
@@ -72,34 +77,19 @@ def plain_copy_python(value: Any, max_depth: int, max_bytes: int) -> dict[str, A
     return copied  # type: ignore[no-any-return]
 
 
-def valid_copy_python(
-    cache: dict[int, tuple[Any, ...]], schema: Any, value: Any
-) -> dict[str, Any] | None:
-    """``prepare_arguments``' hot path in one call: ``cache[id(schema)]`` is the entry
-    ``(schema, prepare, is_valid, max_depth, max_bytes)`` of this very schema, ``value`` is
-    a dict whose :func:`plain_copy_python` exists and ``is_valid`` accepts it: then that
-    copy; else ``None`` (the caller takes its full path)."""
-    if type(value) is not dict:
-        return None
-    entry = cache.get(id(schema))
-    if entry is None or entry[0] is not schema:
-        return None
-    copied = plain_copy_python(value, entry[3], entry[4])
-    if copied is None or not entry[2](copied):
-        return None
-    return copied
-
-
 plain_copy: Callable[[Any, int, int], dict[str, Any] | None]
-valid_copy: Callable[[dict[int, tuple[Any, ...]], Any, Any], dict[str, Any] | None]
 #: :func:`~agent_backend.schema.parse.has_big_float`, in C when built.
 big_float: Callable[[Any], bool]
+#: The hot path of ``prepare`` without a Python frame (``prepare.py`` builds them), or
+#: ``None`` when the C extension is not built.
+DictPrepare: type[_plain.DictPrepare] | None
+CachedPrepare: type[_plain.CachedPrepare] | None
 try:
-    from agent_backend.schema._plain import big_float, plain_copy, valid_copy
+    from agent_backend.schema._plain import CachedPrepare, DictPrepare, big_float, plain_copy
 except ImportError:  # not built (no C compiler at install): same answers, slower
     plain_copy = plain_copy_python
-    valid_copy = valid_copy_python
     big_float = has_big_float
+    DictPrepare = CachedPrepare = None
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -17,9 +17,10 @@ subschema that repair consults is compiled on first use and kept.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import jsonschema
 import jsonschema.exceptions
@@ -37,11 +38,15 @@ from agent_backend.schema.parse import (
     parse_arguments,
     shallow_enough,
 )
-from agent_backend.schema.plain import big_float, plain_copy, valid_copy
+from agent_backend.schema.plain import CachedPrepare, DictPrepare, big_float, plain_copy
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
 __all__ = ["CompiledSchema", "compile_schema", "prepare_arguments"]
+
+#: Builds each schema's prepare in C (``plain.DictPrepare``) when the extension is built;
+#: ``None`` builds the pure-Python one (what an install without a C compiler gets).
+_DictPrepare = DictPrepare
 
 Arguments = str | bytes | bytearray | Mapping[str, Any]
 
@@ -251,6 +256,10 @@ def _fast_path(
     variables instead of attribute lookups, and parameters with positional
     defaults (keyword-only defaults cost a dict lookup each per call): this
     runs on every call.
+
+    With the C extension built, the dict case runs in C (``plain.DictPrepare``:
+    the same copy, the same validator, no Python frame) and every other call
+    goes to the Python function below, which it stands for (``__wrapped__``).
     """
     loads = orjson.loads
     short = 2 * (max_depth + 1)
@@ -292,7 +301,14 @@ def _fast_path(
             return full(arguments, tool=tool, parsed=value, known_invalid=True)
         return full(arguments, tool=tool, inject_defaults=inject_defaults)
 
-    return prepare
+    if _DictPrepare is None:
+        return prepare
+
+    def repair(arguments: Arguments, tool: str | None, parsed: dict[str, Any]) -> dict[str, Any]:
+        return full(arguments, tool=tool, parsed=parsed, known_invalid=True)
+
+    fast = _DictPrepare(dict_is_valid, max_depth, max_bytes, prepare, repair)
+    return functools.update_wrapper(fast, prepare)
 
 
 #: The fast path reads JSON with orjson, which turns an integer beyond 64 bits into a
@@ -368,9 +384,9 @@ def compile_schema(
 
 
 _CACHE_SIZE = 512
-# id(schema) -> (schema, its compiled prepare, and what a valid dict's fast path needs: the
-# validator's is_valid, max_depth, max_bytes). Holding the schema keeps its id from being reused.
-_cache: dict[int, tuple[object, PrepareFn, Callable[[Any], bool], int, int]] = {}
+# id(schema) -> (schema, its compiled prepare). Holding the schema keeps its id from being
+# reused. With the C extension, prepare_arguments reads it in C (plain.CachedPrepare).
+_cache: dict[int, tuple[object, PrepareFn]] = {}
 _cache_lock = threading.Lock()
 
 
@@ -381,17 +397,10 @@ def _compiled_for(schema: Mapping[str, Any] | bool | CompiledSchema) -> PrepareF
     if entry is not None and entry[0] is schema:
         return entry[1]
     compiled = CompiledSchema(schema)
-    limits = compiled.limits
     with _cache_lock:
         if len(_cache) >= _CACHE_SIZE:
             _cache.pop(next(iter(_cache)))
-        _cache[id(schema)] = (
-            schema,
-            compiled.prepare,
-            compiled._is_valid,
-            limits.max_depth,
-            limits.max_bytes,
-        )
+        _cache[id(schema)] = (schema, compiled.prepare)
     return compiled.prepare
 
 
@@ -410,14 +419,18 @@ def prepare_arguments(
     :class:`ToolArgumentError` for anything that cannot be made valid, and
     :class:`SchemaError` for a malformed schema.
     """
-    # A valid dict for a schema dict seen before, in one call (the hot path): what
-    # CompiledSchema.prepare does first for a dict, with the same copy and validator.
-    if tool is None and not inject_defaults:
-        value = valid_copy(_cache, schema, arguments)
-        if value is not None:
-            return value
     entry = _cache.get(id(schema))
     prepare = entry[1] if entry is not None and entry[0] is schema else _compiled_for(schema)
-    if tool is None and not inject_defaults:
-        return prepare(arguments)
     return prepare(arguments, tool, inject_defaults)
+
+
+#: The pure-Python :func:`prepare_arguments` (the C one below stands for it and hands it
+#: every call it does not answer itself: a schema not compiled yet, another call shape).
+prepare_arguments_python = prepare_arguments
+
+if CachedPrepare is not None and not TYPE_CHECKING:
+    # A schema seen before, called as prepare_arguments(schema, arguments): its compiled
+    # prepare runs from C, without this module's Python frame (the hot path).
+    prepare_arguments = functools.update_wrapper(
+        CachedPrepare(_cache, prepare_arguments_python), prepare_arguments_python
+    )

@@ -291,6 +291,21 @@ def test_type_list_with_a_container_keeps_the_container_and_converts_text() -> N
         ("-", "integer", None),
         ("9" * 401, "integer", None),
         ("9" * 390 + ".5", "number", None),  # finite text, infinite float
+        ("9" * 310 + ".5", "number", None),
+        ("9" * 299 + ".5", "number", float("9" * 299 + ".5")),
+        ("9" * 305 + ".5", "number", float("9" * 305 + ".5")),
+        ("9.5", "number", 9.5),
+        (" 120.0\n", "number", 120.0),
+        ("\u0663.\u0665", "number", 3.5),  # Unicode decimal digits, as int() and float() read
+        ("\u0663", "integer", 3),
+        ("1_000", "integer", None),
+        ("1_000.5", "number", None),
+        ("1.5_0", "number", None),
+        ("nan", "number", None),
+        ("inf", "number", None),
+        ("Infinity", "number", None),
+        ("9.5", "integer", None),
+        ("4.0", "integer", 4),
     ],
 )
 def test_numeric_text_rules(text: str, wanted: str, expected: Any) -> None:
@@ -391,6 +406,62 @@ def test_big_integers_inside_json_text_stay_exact() -> None:
     out = prepare_arguments(schema, {"o": json.dumps({"k": big})})
     assert out == {"o": {"k": big}}
     assert type(out["o"]["k"]) is int
+
+
+def test_json_text_depth_bound_holds_for_short_text_and_for_long_shallow_text() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array"}}}
+    compiled = compile_schema(schema, limits=Limits(max_depth=4))
+    assert compiled.prepare({"a": "[[[]]]"}) == {"a": [[[]]]}  # levels 2-4
+    assert compiled.prepare({"a": "[[[[]]]]"}) == {"a": ["[[[[]]]]"]}  # level 5: not read
+    # Long text with many brackets, side by side rather than nested: walked, and within bound.
+    wide = json.dumps([[[]] for _ in range(50)])
+    assert compiled.prepare({"a": wide}) == {"a": [[[]] for _ in range(50)]}
+    deep_and_wide = json.dumps([[[[]]]] + [[] for _ in range(50)])
+    assert compiled.prepare({"a": deep_and_wide}) == {"a": [deep_and_wide]}
+
+
+@pytest.mark.parametrize(
+    "literal", ["12345678901234567890", "-9223372036854775809", "1e19", "1.5E20", "-2e300"]
+)
+def test_short_json_text_with_a_big_number_is_read_exactly(literal: str) -> None:
+    fix = coercer({"type": "array", "items": {"type": "number"}})
+    out = fix.coerce(f"[{literal}, 1]")
+    assert out == [json.loads(literal), 1]
+    assert type(out[0]) is type(json.loads(literal))
+
+
+def test_array_of_objects_from_text_and_a_lone_value_are_repaired_item_by_item() -> None:
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": item}},
+    }
+    text = json.dumps([{"n": "1"}, json.dumps({"n": "2"}), {"n": 3}])
+    assert coercer(schema).coerce({"a": text}) == {"a": [{"n": 1}, {"n": 2}, {"n": 3}]}
+    assert coercer(schema).coerce({"a": "not json"}) == {"a": ["not json"]}
+    given = [{"n": 1}, {"n": "2"}]
+    out = coercer(schema).coerce({"a": given})["a"]
+    assert out == [{"n": 1}, {"n": 2}]
+    assert out is not given
+    assert out[0] is given[0]  # copy on write
+    inner = schema["properties"]["a"]
+    accepted = coercer(schema, is_valid=lambda node, value: node is inner)
+    assert accepted.coerce({"a": given}, known_invalid=True)["a"] is given  # not entered
+
+
+def test_a_union_keeps_a_value_of_a_type_a_plain_branch_allows() -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "t": {"anyOf": [{"type": "string", "title": "Text"}, {"type": "integer"}]},
+        },
+        "required": ["n", "t"],
+    }
+    fix = coercer(schema)
+    assert fix.coerce({"n": None, "t": "5"}) == {"n": None, "t": "5"}
+    assert fix.coerce({"n": "5", "t": 5}) == {"n": 5, "t": 5}
+    assert fix.coerce({"n": "null"}) == {"n": None}
 
 
 def test_json_text_with_a_lone_surrogate_is_not_decoded() -> None:

@@ -44,6 +44,7 @@ from agent_backend.schema.coerce_nodes import (
     Fix,
     IsValid,
     Step,
+    array_fix,
     container_fix,
     keep,
     null_left_out,
@@ -66,7 +67,13 @@ from agent_backend.schema.coerce_rules import (
     type_allowed,
     type_plan,
 )
-from agent_backend.schema.parse import BIG_FLOAT, check_depth, json_type_name, load_json_value
+from agent_backend.schema.parse import (
+    BIG_FLOAT,
+    check_depth,
+    has_big_float,
+    json_type_name,
+    load_json_value,
+)
 
 __all__ = ["Coercer"]
 
@@ -190,7 +197,7 @@ class Coercer:
             if fix is not keep
         )
         objects, plain = self._object_step(node)
-        arrays = self._array_step(node)
+        arrays, each = self._array_step(node)
         nothing_else = via_ref is None and not every and not unions
         if nothing_else and objects is None and arrays is None and convert is None:
             return keep
@@ -217,6 +224,8 @@ class Coercer:
                 parse = self._parse if alone else None
                 if plain is not None and kind is dict:
                     return object_fix(node, plain, parse, generic, self._is_valid, self._check)
+                if each is not None and kind is list:
+                    return array_fix(node, each, parse, generic, self._is_valid, self._check)
                 return container_fix(node, kind, descend, parse, generic, self._is_valid)
         return generic
 
@@ -359,28 +368,38 @@ class Coercer:
     def _parse(self, text: str, opener: str, wanted: type, depth: int) -> Any:
         """A JSON-encoded object or array at ``depth``, within the depth bound, or ``FAIL``.
 
-        orjson reads it and one walk checks the depth bound and looks for a
-        float that may be an integer orjson could not hold exactly; that text,
-        and text orjson refuses, is read again by :func:`load_json_value`.
+        orjson reads it; a float that may be an integer orjson could not hold
+        exactly, and text orjson refuses, are read again by :func:`load_json_value`.
+        Text of ``n`` levels has at least ``n`` opening brackets and ``2 * n``
+        characters, so short text, or text with few brackets, cannot nest past the
+        bound (as ``prepare``'s fast path reasons) and only floats are looked for;
+        other text is walked by :func:`_scan`, which bounds the depth as well.
         """
         if not text.startswith(opener):
             return FAIL
         try:
             parsed = orjson.loads(text)
         except ValueError:
-            parsed = _NOT_READ
+            return self._parse_exactly(text, wanted, depth)
+        levels = self._max_depth - depth + 1  # how many levels may nest from ``depth``
+        if len(text) < 2 * levels + 2 or text.count("{") + text.count("[") <= levels:
+            if has_big_float(parsed):
+                return self._parse_exactly(text, wanted, depth)
         else:
             verdict = _scan(parsed, depth, self._max_depth)
             if verdict is _TOO_DEEP:
                 return FAIL
             if verdict is _BIG_FLOAT:
-                parsed = _NOT_READ
-        if parsed is _NOT_READ:
-            try:
-                parsed = load_json_value(text)
-                check_depth(parsed, self._max_depth, start=depth)
-            except ValueError:
-                return FAIL
+                return self._parse_exactly(text, wanted, depth)
+        return parsed if isinstance(parsed, wanted) else FAIL
+
+    def _parse_exactly(self, text: str, wanted: type, depth: int) -> Any:
+        """:meth:`_parse` of text orjson refuses or cannot read exactly: the slow, exact reader."""
+        try:
+            parsed = load_json_value(text)
+            check_depth(parsed, self._max_depth, start=depth)
+        except ValueError:
+            return FAIL
         return parsed if isinstance(parsed, wanted) else FAIL
 
     # -- unions ------------------------------------------------------------------------
@@ -397,8 +416,17 @@ class Coercer:
         )
         if not repairs:
             return None
+        # A value of a type some branch allows whatever else it is: that branch accepts it.
+        accepted = frozenset(
+            python
+            for branch in branches
+            if isinstance(branch, dict) and branch.keys() <= TYPE_ONLY_KEYS
+            for python in _plain_types(branch)
+        )
 
         def choose(value: Any, depth: int) -> Any:
+            if type(value) in accepted:
+                return value
             for accepts in acceptors:
                 if accepts(value):
                     return value
@@ -465,9 +493,11 @@ class Coercer:
             return null_left_out(fix)
         return fix
 
-    def _array_step(self, node: dict[str, Any]) -> Step | None:
+    def _array_step(self, node: dict[str, Any]) -> tuple[Step | None, Fix | None]:
+        """How an array's items are repaired, and the items' function if one repairs them all
+        (then the node's own function runs the loop itself, as for objects)."""
         if "items" not in node and "prefixItems" not in node:
-            return None
+            return None, None
         items = node.get("items")
         prefix = node.get("prefixItems")
         if isinstance(items, list):  # draft 7 and earlier: positional items
@@ -477,7 +507,7 @@ class Coercer:
         by_index = [self._fix_of(schema) for schema in prefix] if isinstance(prefix, list) else []
         others = self._fix_of(rest) if isinstance(rest, dict) else keep
         if others is keep and all(fix is keep for fix in by_index):
-            return None
+            return None, None
         check = self._check
         if not by_index:
 
@@ -492,7 +522,7 @@ class Coercer:
                         result[index] = new
                 return result
 
-            return each_item
+            return each_item, others
         count = len(by_index)
 
         def by_position(value: list[Any], depth: int) -> Any:
@@ -506,7 +536,7 @@ class Coercer:
                     result[index] = new
             return result
 
-        return by_position
+        return by_position, None
 
     def _lookup(self, ref: str) -> Any:
         """A ``#/...`` pointer into the resolved root (retained recursive defs); else ``None``."""
@@ -524,7 +554,6 @@ class Coercer:
         return target
 
 
-_NOT_READ: Final = object()
 _TOO_DEEP: Final = "too deep"
 _BIG_FLOAT: Final = "big float"
 
@@ -571,6 +600,14 @@ def _always(value: Any) -> bool:
 
 def _never(value: Any) -> bool:
     return False
+
+
+def _plain_types(node: dict[str, Any]) -> frozenset[type]:
+    """The plain Python types whose every value ``node``'s ``type`` allows (none if untyped)."""
+    types = _declared_types(node)
+    if not types or not _KNOWN_TYPES.issuperset(types):
+        return frozenset()
+    return type_plan(types).allowed
 
 
 def _declared_types(node: dict[str, Any]) -> tuple[str, ...] | None:

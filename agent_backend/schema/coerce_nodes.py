@@ -27,6 +27,7 @@ __all__ = [
     "Fix",
     "IsValid",
     "Step",
+    "array_fix",
     "container_fix",
     "keep",
     "null_left_out",
@@ -49,6 +50,9 @@ _CONTAINERS: Final = (dict, list)
 Parse = Callable[[str, str, type, int], Any]
 """``parse(text, opener, wanted, depth)``: JSON text as a ``wanted`` container, or ``FAIL``."""
 
+
+#: Fewer integer digits than this keep ``float()`` finite (the largest double is about 1.8e308).
+_FINITE_DIGITS: Final = 300
 
 LEAVE_OUT: Final = object()
 """What a property's function returns when the property is to be left out of its object."""
@@ -82,19 +86,39 @@ def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
             return value if type(value) in allowed else convert(value, depth)
 
         return fix_typed
+    if len(rules) == 1 and (rules[0] is TEXT_RULES["integer"] or rules[0] is TEXT_RULES["number"]):
+        as_number = rules[0] is TEXT_RULES["number"]
+        numeric_rule = rules[0]
+
+        def fix_numeric(value: Any, depth: int, check: bool) -> Any:
+            kind = type(value)
+            if kind in allowed:
+                return value
+            if kind is not str:
+                return convert(value, depth)
+            text = value.strip()
+            # The numeric rules' common cases, without the call: ``"12"``, and ``"9.5"`` for
+            # a number (unsigned digits around one dot: finite within the length bound).
+            if len(text) <= MAX_NUMBER_TEXT:
+                if text.isdecimal():
+                    return int(text)
+                if as_number:
+                    whole, _, fraction = text.partition(".")
+                    if whole.isdecimal() and fraction.isdecimal() and len(whole) < _FINITE_DIGITS:
+                        return float(text)
+            new = numeric_rule(text)
+            return value if new is FAIL else new
+
+        return fix_numeric
     if len(rules) == 1:
         (rule,) = rules
-        numeric = rule is TEXT_RULES["integer"] or rule is TEXT_RULES["number"]
 
         def fix_one(value: Any, depth: int, check: bool) -> Any:
             kind = type(value)
             if kind in allowed:
                 return value
             if kind is str:
-                text = value.strip()
-                if numeric and text.isdecimal() and len(text) <= MAX_NUMBER_TEXT:
-                    return int(text)  # the numeric rules' first case, without the call
-                new = rule(text)
+                new = rule(value.strip())
                 return value if new is FAIL else new
             return convert(value, depth)
 
@@ -170,6 +194,8 @@ def object_fix(
     """:func:`container_fix` for an object node whose only repairing keyword is ``properties``,
     with :func:`properties_descend` inlined (the most common node of all)."""
 
+    fix_of = fixes.get
+
     def fix(value: Any, depth: int, check: bool) -> Any:
         if type(value) is not dict:
             if type(value) is not str or parse is None:
@@ -183,16 +209,50 @@ def object_fix(
         result = value
         depth += 1
         for key, child in value.items():
-            child_fix = fixes.get(key)
+            child_fix = fix_of(key)
             if child_fix is not None:
                 new = child_fix(child, depth, check_children)
                 if new is not child:
                     if result is value:
-                        result = dict(value)
+                        result = value.copy()
                     if new is LEAVE_OUT:
                         del result[key]
                     else:
                         result[key] = new
+        return result
+
+    return fix
+
+
+def array_fix(
+    node: dict[str, Any],
+    each: Fix,
+    parse: Parse | None,
+    generic: Fix,
+    is_valid: IsValid,
+    check_items: bool,
+) -> Fix:
+    """:func:`container_fix` for an array node whose only repairing keyword is one ``items``
+    schema for every item, with the loop over the items inlined."""
+
+    def fix(value: Any, depth: int, check: bool) -> Any:
+        given = type(value)
+        if given is list:
+            if check and is_valid(node, value):
+                return value
+        elif given is str and parse is not None:
+            parsed = parse(value.strip(), "[", list, depth)
+            value = [value] if parsed is FAIL else parsed
+        else:
+            return generic(value, depth, check)
+        result = value
+        depth += 1
+        for index, child in enumerate(value):
+            new = each(child, depth, check_items)
+            if new is not child:
+                if result is value:
+                    result = value.copy()
+                result[index] = new
         return result
 
     return fix

@@ -106,8 +106,10 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self._pool_group: Any = None
         """The pool-wide placement group of ``strategy = "pack"``."""
         self._waiters: collections.deque[_Waiter[A]] = collections.deque()
-        self._changed = anyio.Event()
-        """Set (and replaced) at every change of an actor's state, a slot or the queue."""
+        self._changed: anyio.Event | None = None
+        """Set (and dropped) at every change of an actor's state, a slot or the queue; made by
+        the first waiter after a change (most changes, a slot taken or given back twice per
+        call, have nobody waiting, and an Event costs a sniffio lookup)."""
 
     # -- what a subclass says ----------------------------------------------------------------------
 
@@ -156,11 +158,14 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         """Return once ``condition()`` holds, checked again at every change of an actor's
         state, of a slot or of the queue; bound it with ``anyio.fail_after``."""
         while not condition():
+            if self._changed is None:
+                self._changed = anyio.Event()
             await self._changed.wait()
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     async def start(self) -> None:
         """Connect to Ray (or start a local one) and start every actor; wait until they serve.

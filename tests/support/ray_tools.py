@@ -7,6 +7,7 @@ module once, which is also what the tests check.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import socket
 import threading
@@ -224,3 +225,32 @@ async def group_gpus() -> dict[str, Any]:
         "gpu_ids": [str(gpu) for gpu in ray.get_gpu_ids()],
         "child": child,
     }
+
+
+@dataclasses.dataclass
+class Reading:
+    """A result of a class the driver imports too (pickled by the actor, read by the pool)."""
+
+    sensor: str
+    values: tuple[float, ...]
+
+
+def read_sensor(sensor: str) -> Any:
+    """A dataclass holding a tuple: it comes back as itself, not as JSON."""
+    return Reading(sensor, (1.5, 2.5))
+
+
+def put_and_return(value: int) -> Any:
+    """An object reference inside the result: only Ray's serializer may carry it (the driver
+    then borrows the object, and can read it after the actor forgets it)."""
+    return {"ref": ray.put(value), "value": value}
+
+
+def local_class() -> Any:
+    """An instance of a class defined here: only cloudpickle (Ray's serializer) can pickle it."""
+
+    class Local:
+        def __init__(self) -> None:
+            self.answer = 42
+
+    return Local()

@@ -25,12 +25,13 @@ import os
 import pickle
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import anyio.to_thread
 import ray
 
+from agent_backend.backends.ray.frames import decode, encode
 from agent_backend.backends.ray.payload import (
     describe_payload,
     payload_size,
@@ -131,8 +132,9 @@ def import_function(path: str) -> Callable[..., Any]:
 
 
 #: What :meth:`ToolActor.run` sends back first, always small: ``(VALUE, the result)``,
-#: ``(PAYLOAD, its PayloadInfo)`` or ``(ERROR, a portable error)``. A plain tuple, so Ray
-#: serializes a small result with msgpack rather than pickling a wrapper (the hot path).
+#: ``(PAYLOAD, its PayloadInfo)`` or ``(ERROR, a portable error)``. A value outcome is
+#: pickled by the actor itself where it can be (``frames.py``: bytes cost Ray almost
+#: nothing to carry; the hot path).
 Outcome = tuple[int, Any]
 VALUE, PAYLOAD, ERROR = 0, 1, 2
 #: What :meth:`ToolActor.run` takes: (tool name, arguments, whether they hold payloads).
@@ -201,9 +203,13 @@ class ToolActor:
         """Never returns: its reference fails the moment the actor dies (the pool's sentinel)."""
         await anyio.Event().wait()
 
-    async def run(self, request: Request) -> tuple[Outcome, Any]:
-        """Run one call: (outcome, the result when it stays in the object store, else None)."""
-        tool_name, arguments, has_payloads = request
+    async def run(self, request: Request | bytes) -> tuple[Outcome | bytes, Any]:
+        """Run one call: (outcome, the result when it stays in the object store, else None).
+
+        A request without payloads comes pickled (``frames.py``), and a value outcome goes
+        back pickled unless it holds what only Ray's serializer may carry."""
+        call = cast(Request, decode(request)) if isinstance(request, bytes) else request
+        tool_name, arguments, has_payloads = call
         try:
             tool = self.tools.get(tool_name)
             if tool is None:
@@ -226,4 +232,5 @@ class ToolActor:
                 functools.partial(describe_payload, value, size=size)
             )
             return (PAYLOAD, info), value
-        return (VALUE, value), None
+        outcome: Outcome = (VALUE, value)
+        return encode(outcome) or outcome, None

@@ -36,7 +36,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, cast
 
 import anyio
 import anyio.abc
@@ -45,8 +45,16 @@ import ray
 import ray.exceptions
 
 from agent_backend.backends._errors import map_exceptions
-from agent_backend.backends.ray.actor import ERROR, VALUE, Outcome, ToolActor, tool_failure
+from agent_backend.backends.ray.actor import (
+    ERROR,
+    VALUE,
+    Outcome,
+    Request,
+    ToolActor,
+    tool_failure,
+)
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
+from agent_backend.backends.ray.frames import decode, encode
 from agent_backend.backends.ray.payload import PayloadRef, contains_payloads
 from agent_backend.backends.ray.placement import alive_nodes
 from agent_backend.backends.ray.replicas import Replica
@@ -339,17 +347,21 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
         started = time.monotonic()
         attempts = 0
         try:
-            if not has_payloads:
-                # Checked and repaired here, with the schema the actors described, rather
-                # than in the actor (ToolActor.Request): a model's bad arguments never take a
-                # slot, and the actor, which Ray runs at low priority, does less per call.
-                arguments = self._tools[tool].prepare(arguments)
+            # Checked and repaired here, with the schema the actors described, rather than in
+            # the actor (ToolActor.Request): a model's bad arguments never take a slot, and the
+            # actor, which Ray runs at low priority, does less per call. (Arguments with
+            # payloads are a mapping: contains_payloads said so.)
+            request = (
+                cast(Mapping[str, Any], arguments)
+                if has_payloads
+                else self._tools[tool].prepare(arguments)
+            )
             with anyio.move_on_after(limit):
                 while True:
                     attempts += 1
                     actor = await self._acquire()
                     try:
-                        value = await self._run_on(actor, tool, arguments, has_payloads)
+                        value = await self._run_on(actor, tool, request, has_payloads)
                     except _ActorDied as died:
                         if died.unavailable:
                             # Out of rotation with its node's actors until Ray says more.
@@ -378,11 +390,15 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
             self._calls += 1
 
     async def _run_on(
-        self, actor: _Actor, tool: str, arguments: Mapping[str, Any] | str, has_payloads: bool
+        self, actor: _Actor, tool: str, arguments: Mapping[str, Any], has_payloads: bool
     ) -> Any:
         """One attempt on ``actor``, which holds a slot taken for it; the slot is given back."""
+        request: Request = (tool, arguments, has_payloads)
         try:
-            outcome_ref, result_ref = actor.run.remote((tool, arguments, has_payloads))
+            # Prepared arguments are JSON values: pickled here, Ray carries bytes (frames.py).
+            # Payload stand-ins hold object references, which only Ray's serializer tracks.
+            encoded = None if has_payloads else encode(request)
+            outcome_ref, result_ref = actor.run.remote(request if encoded is None else encoded)
         except Exception as exc:
             self._release(actor)
             raise ToolArgumentError(
@@ -396,7 +412,7 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
                 host=actor.node,
             ):
                 try:
-                    outcome: Outcome = await outcome_ref
+                    outcome: Outcome | bytes = await outcome_ref
                 except ray.exceptions.ActorUnavailableError as exc:
                     raise _ActorDied(describe_cause(exc), unavailable=True) from None
                 except ACTOR_DEATHS as exc:
@@ -418,6 +434,16 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
             raise
         actor.served += 1
         self._release(actor)
+        if isinstance(outcome, bytes):
+            try:
+                outcome = cast(Outcome, decode(outcome))
+            except Exception as exc:  # the result's class cannot be imported here, say
+                raise BackendError(
+                    f"the result of {tool!r} from {actor.name} cannot be read in the driver: "
+                    f"{type(exc).__name__}: {clip(str(exc), 300)}",
+                    backend="ray",
+                    host=actor.node,
+                ) from None
         kind, body = outcome
         if kind == VALUE:
             return body

@@ -351,7 +351,7 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
             # the actor (ToolActor.Request): a model's bad arguments never take a slot, and the
             # actor, which Ray runs at low priority, does less per call. (Arguments with
             # payloads are a mapping: contains_payloads said so.)
-            request = (
+            prepared = (
                 cast(Mapping[str, Any], arguments)
                 if has_payloads
                 else self._tools[tool].prepare(arguments)
@@ -361,7 +361,7 @@ class RayBackend(ActorSupervisor[_Actor], Backend):
                     attempts += 1
                     actor = await self._acquire()
                     try:
-                        value = await self._run_on(actor, tool, request, has_payloads)
+                        value = await self._run_on(actor, tool, prepared, has_payloads)
                     except _ActorDied as died:
                         if died.unavailable:
                             # Out of rotation with its node's actors until Ray says more.

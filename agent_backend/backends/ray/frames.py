@@ -72,7 +72,6 @@ def encode(value: Any) -> bytes | None:
     buffer = encoder.buffer
     buffer.seek(0)
     buffer.truncate()
-    encoder.pickler.clear_memo()
     try:
         encoder.pickler.dump(value)
     except Exception:  # _Refused, PicklingError, or whatever a __reduce__ raised

@@ -1,7 +1,8 @@
 """The two parts of the build pyproject.toml cannot declare.
 
 * The optional C accelerator: ``agent_backend.schema._plain`` speeds up the hot
-  path of ``prepare_arguments`` on dict arguments (docs/validator.md). Without
+  path of ``prepare_arguments`` on dict arguments and the common repair nodes
+  (``_repair.c``, docs/validator.md). Without
   a C compiler the install still succeeds and ``agent_backend/schema/plain.py``
   uses its pure-Python equivalent (``make test`` under ``CI=true`` insists on
   the compiled one).
@@ -66,7 +67,7 @@ setup(
     ext_modules=[
         Extension(
             "agent_backend.schema._plain",
-            sources=["agent_backend/schema/_plain.c"],
+            sources=["agent_backend/schema/_plain.c", "agent_backend/schema/_repair.c"],
             optional=True,
         )
     ],

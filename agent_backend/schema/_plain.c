@@ -29,6 +29,9 @@
  * agent_backend/schema/plain.py has the pure-Python equivalent, used when
  * this module is not built; tests/test_schema_plain.py holds both to the
  * same answers.
+ *
+ * The repair nodes (NumericFix, ObjectFix, ArrayFix) are in _repair.c, built into
+ * this module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -303,6 +306,8 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
  * __doc__ and the names, so inspect and help show the Python function they stand for). */
 
 static PyObject *str_tool, *str_inject_defaults;
+
+int _repair_add_types(PyObject *module); /* _repair.c */
 
 static int
 same_name(PyObject *name, PyObject *interned)
@@ -674,7 +679,9 @@ static PyMethodDef plain_methods[] = {
 static struct PyModuleDef plain_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "agent_backend.schema._plain",
-    .m_doc = "The accelerated copy of plain JSON arguments (see agent_backend/schema/plain.py).",
+    .m_doc = "The schema layer's C accelerator: the copy of plain JSON arguments, the hot path\n"
+             "of prepare (agent_backend/schema/plain.py) and the common repair nodes\n"
+             "(agent_backend/schema/coerce_nodes.py).",
     .m_size = 0,
     .m_methods = plain_methods,
 };
@@ -692,7 +699,8 @@ PyInit__plain(void)
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "DictPrepare", (PyObject *)&DictPrepareType) < 0 ||
-        PyModule_AddObjectRef(module, "CachedPrepare", (PyObject *)&CachedPrepareType) < 0) {
+        PyModule_AddObjectRef(module, "CachedPrepare", (PyObject *)&CachedPrepareType) < 0 ||
+        _repair_add_types(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -30,3 +30,49 @@ class CachedPrepare:
         tool: str | None = None,
         inject_defaults: bool = False,
     ) -> dict[str, Any]: ...
+
+# The repair nodes (_repair.c): each stands for the Python function ``slow`` of
+# agent_backend/schema/coerce_nodes.py built from the same arguments.
+_Fix = Callable[[Any, int, bool], Any]
+
+class NumericFix:
+    def __init__(
+        self, allowed: tuple[type, ...], as_number: bool, max_text: int, slow: _Fix, /
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+class ScalarFix:
+    def __init__(
+        self, allowed: tuple[type, ...], rules: tuple[Callable[[str], Any], ...], slow: _Fix, /
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+class ObjectFix:
+    def __init__(
+        self,
+        node: Any,
+        fixes: dict[str, _Fix],
+        parse: Callable[[str, str, type, int], Any] | None,
+        generic: _Fix,
+        accepts_of: Callable[[Any], Callable[[Any], bool]],
+        check_children: bool,
+        slow: _Fix,
+        /,
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+class ArrayFix:
+    def __init__(
+        self,
+        node: Any,
+        each: _Fix,
+        parse: Callable[[str, str, type, int], Any] | None,
+        generic: _Fix,
+        accepts_of: Callable[[Any], Callable[[Any], bool]],
+        check_items: bool,
+        slow: _Fix,
+        /,
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+def set_sentinels(leave_out: object, fail: object, /) -> None: ...

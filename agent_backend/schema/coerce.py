@@ -34,6 +34,7 @@ The value-level rules live in ``coerce_rules.py``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -41,6 +42,7 @@ import orjson
 
 from agent_backend.schema.coerce_nodes import (
     Accepts,
+    AcceptsOf,
     Fix,
     IsValid,
     Step,
@@ -70,10 +72,10 @@ from agent_backend.schema.coerce_rules import (
 from agent_backend.schema.parse import (
     BIG_FLOAT,
     check_depth,
-    has_big_float,
     json_type_name,
     load_json_value,
 )
+from agent_backend.schema.plain import big_float
 
 __all__ = ["Coercer"]
 
@@ -95,9 +97,13 @@ class Coercer:
         is_valid: IsValid,
         max_depth: int,
         inject_defaults: bool = False,
+        accepts_of: AcceptsOf | None = None,
     ) -> None:
+        """``accepts_of(node)``, when given, is ``is_valid`` for one node, as a faster
+        function of the value alone (a node's own validator); asked once per node."""
         self._root = root
         self._is_valid = is_valid
+        self._accepts_of: AcceptsOf = accepts_of or (lambda node: functools.partial(is_valid, node))
         self._max_depth = max_depth
         self._inject_defaults = inject_defaults
         # Whether children first keep what their subschema accepts (never when injecting
@@ -223,9 +229,9 @@ class Coercer:
                 alone = members is None and types == (name,)
                 parse = self._parse if alone else None
                 if plain is not None and kind is dict:
-                    return object_fix(node, plain, parse, generic, self._is_valid, self._check)
+                    return object_fix(node, plain, parse, generic, self._accepts_of, self._check)
                 if each is not None and kind is list:
-                    return array_fix(node, each, parse, generic, self._is_valid, self._check)
+                    return array_fix(node, each, parse, generic, self._accepts_of, self._check)
                 return container_fix(node, kind, descend, parse, generic, self._is_valid)
         return generic
 
@@ -383,7 +389,7 @@ class Coercer:
             return self._parse_exactly(text, wanted, depth)
         levels = self._max_depth - depth + 1  # how many levels may nest from ``depth``
         if len(text) < 2 * levels + 2 or text.count("{") + text.count("[") <= levels:
-            if has_big_float(parsed):
+            if big_float(parsed):
                 return self._parse_exactly(text, wanted, depth)
         else:
             verdict = _scan(parsed, depth, self._max_depth)

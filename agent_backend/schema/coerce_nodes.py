@@ -6,6 +6,12 @@ generic path for the values those nodes see most (an ``integer`` node given a
 numeric string, an object node given an object) and hands every other value
 to the generic path, so the result is always the same. These run on every
 repair: closure variables, no attribute lookups, no work a node does not need.
+
+With the C extension built, the most common (:func:`type_fix` for a scalar
+leaf, :func:`object_fix`, :func:`array_fix`) return
+its objects (``_repair.c``), each standing for the Python function built here:
+they handle the common values without a Python frame and hand every other
+value to that function, so the results are the same.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import copy
 from collections.abc import Callable
 from typing import Any, Final
 
+from agent_backend.schema import plain
 from agent_backend.schema.coerce_rules import (
     FAIL,
     MAX_NUMBER_TEXT,
@@ -24,6 +31,7 @@ from agent_backend.schema.coerce_rules import (
 __all__ = [
     "LEAVE_OUT",
     "Accepts",
+    "AcceptsOf",
     "Fix",
     "IsValid",
     "Step",
@@ -39,6 +47,9 @@ __all__ = [
 ]
 
 IsValid = Callable[[Any, Any], bool]
+AcceptsOf = Callable[[Any], Callable[[Any], bool]]
+"""``accepts_of(node)``: the function that tells whether ``node`` accepts a value (its
+validator's ``is_valid``), asked for once per node, on its first check."""
 Fix = Callable[[Any, int, bool], Any]
 """A compiled node: ``fix(value, depth, check)`` is ``value`` repaired (the same object if
 nothing changed); ``check`` first keeps a container that the node already accepts."""
@@ -56,6 +67,14 @@ _FINITE_DIGITS: Final = 300
 
 LEAVE_OUT: Final = object()
 """What a property's function returns when the property is to be left out of its object."""
+
+# The C nodes, or None (not built; tests set them to None to compare both).
+_NumericFix = plain.NumericFix
+_ScalarFix = plain.ScalarFix
+_ObjectFix = plain.ObjectFix
+_ArrayFix = plain.ArrayFix
+if plain.set_sentinels is not None:
+    plain.set_sentinels(LEAVE_OUT, FAIL)
 
 
 def keep(value: Any, depth: int, check: bool) -> Any:
@@ -109,6 +128,8 @@ def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
             new = numeric_rule(text)
             return value if new is FAIL else new
 
+        if _NumericFix is not None:
+            return _NumericFix(tuple(allowed), as_number, MAX_NUMBER_TEXT, fix_numeric)
         return fix_numeric
     if len(rules) == 1:
         (rule,) = rules
@@ -122,6 +143,8 @@ def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
                 return value if new is FAIL else new
             return convert(value, depth)
 
+        if _ScalarFix is not None:
+            return _ScalarFix(tuple(allowed), rules, fix_one)
         return fix_one
 
     def fix_scalar(value: Any, depth: int, check: bool) -> Any:
@@ -137,6 +160,8 @@ def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
             return value
         return convert(value, depth)
 
+    if _ScalarFix is not None:
+        return _ScalarFix(tuple(allowed), rules, fix_scalar)
     return fix_scalar
 
 
@@ -188,15 +213,17 @@ def object_fix(
     fixes: dict[str, Fix],
     parse: Parse | None,
     generic: Fix,
-    is_valid: IsValid,
+    accepts_of: AcceptsOf,
     check_children: bool,
 ) -> Fix:
     """:func:`container_fix` for an object node whose only repairing keyword is ``properties``,
     with :func:`properties_descend` inlined (the most common node of all)."""
 
     fix_of = fixes.get
+    accepts: Callable[[Any], bool] | None = None
 
     def fix(value: Any, depth: int, check: bool) -> Any:
+        nonlocal accepts
         if type(value) is not dict:
             if type(value) is not str or parse is None:
                 return generic(value, depth, check)
@@ -204,8 +231,11 @@ def object_fix(
             if parsed is FAIL:
                 return value  # as the generic path: no other conversion, nothing to descend
             value = parsed
-        elif check and is_valid(node, value):
-            return value
+        elif check:
+            if accepts is None:
+                accepts = accepts_of(node)
+            if accepts(value):
+                return value
         result = value
         depth += 1
         for key, child in value.items():
@@ -221,6 +251,8 @@ def object_fix(
                         result[key] = new
         return result
 
+    if _ObjectFix is not None:
+        return _ObjectFix(node, fixes, parse, generic, accepts_of, check_children, fix)
     return fix
 
 
@@ -229,17 +261,23 @@ def array_fix(
     each: Fix,
     parse: Parse | None,
     generic: Fix,
-    is_valid: IsValid,
+    accepts_of: AcceptsOf,
     check_items: bool,
 ) -> Fix:
     """:func:`container_fix` for an array node whose only repairing keyword is one ``items``
     schema for every item, with the loop over the items inlined."""
 
+    accepts: Callable[[Any], bool] | None = None
+
     def fix(value: Any, depth: int, check: bool) -> Any:
+        nonlocal accepts
         given = type(value)
         if given is list:
-            if check and is_valid(node, value):
-                return value
+            if check:
+                if accepts is None:
+                    accepts = accepts_of(node)
+                if accepts(value):
+                    return value
         elif given is str and parse is not None:
             parsed = parse(value.strip(), "[", list, depth)
             value = [value] if parsed is FAIL else parsed
@@ -255,6 +293,8 @@ def array_fix(
                 result[index] = new
         return result
 
+    if _ArrayFix is not None:
+        return _ArrayFix(node, each, parse, generic, accepts_of, check_items, fix)
     return fix
 
 

@@ -30,11 +30,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ACCELERATED",
+    "ArrayFix",
     "CachedPrepare",
     "DictPrepare",
+    "NumericFix",
+    "ObjectFix",
+    "ScalarFix",
     "big_float",
     "plain_copy",
     "plain_copy_python",
+    "set_sentinels",
 ]
 
 #: Subclasses of str, int, dict and list go to ``default`` (there is none, so
@@ -84,12 +89,30 @@ big_float: Callable[[Any], bool]
 #: ``None`` when the C extension is not built.
 DictPrepare: type[_plain.DictPrepare] | None
 CachedPrepare: type[_plain.CachedPrepare] | None
+#: The common repair nodes without a Python frame (``coerce_nodes.py`` builds them), or
+#: ``None`` when the C extension is not built.
+NumericFix: type[_plain.NumericFix] | None
+ScalarFix: type[_plain.ScalarFix] | None
+ObjectFix: type[_plain.ObjectFix] | None
+ArrayFix: type[_plain.ArrayFix] | None
+set_sentinels: Callable[[object, object], None] | None
 try:
-    from agent_backend.schema._plain import CachedPrepare, DictPrepare, big_float, plain_copy
+    from agent_backend.schema._plain import (
+        ArrayFix,
+        CachedPrepare,
+        DictPrepare,
+        NumericFix,
+        ObjectFix,
+        ScalarFix,
+        big_float,
+        plain_copy,
+        set_sentinels,
+    )
 except ImportError:  # not built (no C compiler at install): same answers, slower
     plain_copy = plain_copy_python
     big_float = has_big_float
     DictPrepare = CachedPrepare = None
+    NumericFix = ScalarFix = ObjectFix = ArrayFix = set_sentinels = None
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -135,6 +135,7 @@ class CompiledSchema:
             Coercer(
                 self.resolved,
                 is_valid=self._subschema_accepts,
+                accepts_of=self._accepts_of,
                 max_depth=limits.max_depth,
                 inject_defaults=inject,
             )
@@ -198,11 +199,16 @@ class CompiledSchema:
         )
 
     def _subschema_accepts(self, node: Any, value: Any) -> bool:
+        return self._accepts_of(node)(value)
+
+    def _accepts_of(self, node: Any) -> Callable[[Any], bool]:
+        """Whether ``node`` (a subschema of the resolved schema) accepts a value: its validator's
+        ``is_valid``, compiled on first use."""
         entry = self._sub_validators.get(id(node))
         if entry is None:
             entry = (node, self._validator_of(node))
             self._sub_validators[id(node)] = entry
-        return bool(entry[1].is_valid(value))
+        return entry[1].is_valid
 
     def _validator_of(self, node: Any) -> Validator:
         """One validator per distinct subschema text: resolving copies a subschema to every

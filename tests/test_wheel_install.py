@@ -9,8 +9,10 @@ temporary directory. From a directory outside the repository, with no
 tools/call) and ``serve`` (``/v1/health/live`` within 5 s of the spawn, then a
 call), and check that what runs is the installed package, not the repository.
 
-Set-up costs about 40 s here (measured: sdist and wheel 5 s, the venv 4 s,
-installing the dependencies 31-35 s from the package index), once per run.
+Set-up costs about 40 s here, once per run: sdist and wheel 5 s, the venv 4 s, and
+installing the dependencies from the package index the rest. The dependencies are
+installed without writing their .pyc files ahead (``--no-compile``): 12 s less of CPU in
+a measured pair of runs (54.6 s and 66.7 s for the module).
 When the wheel cannot be built or installed (no package index reachable) the
 tests skip, except under ``CI=true``, where they fail.
 """
@@ -158,7 +160,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
     _step("making the venv", [sys.executable, "-m", "venv", str(venv)], cwd=base, timeout=120)
     _step(
         "installing the wheel and its dependencies",
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", str(wheel)],
+        # --no-compile: no .pyc written ahead for the ~450 MB of dependencies (the CPU of
+        # most of this step); what the tests import is compiled when it is imported.
+        [
+            str(venv / "bin" / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-compile",
+            str(wheel),
+        ],
         cwd=outside,
         timeout=480,
     )

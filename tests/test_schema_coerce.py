@@ -10,15 +10,20 @@ JSON text found inside arguments.
 from __future__ import annotations
 
 import copy
+import enum
 import json
 from typing import Any
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.schema_strategies import json_values
 
 from agent_backend.errors import ToolArgumentError
 from agent_backend.schema import Limits, compile_schema, prepare_arguments
 from agent_backend.schema.coerce import Coercer
+from agent_backend.schema.coerce_rules import json_equal, member_test
 
 
 def never_valid(node: Any, value: Any) -> bool:
@@ -470,3 +475,26 @@ def test_json_text_with_a_lone_surrogate_is_not_decoded() -> None:
     lone_surrogate = '["\\ud800", "x"]'
     fix = coercer({"type": "array", "items": {"type": "string"}})
     assert fix.coerce(lone_surrogate) == [lone_surrogate]
+
+
+_ODD_SCALARS = [1, 1.0, -0.0, 0, True, False, None, "1", "", 2**63, float(2**63), float("nan")]
+
+
+class _Number(enum.IntEnum):
+    ONE = 1
+
+
+class _Text(str):
+    pass
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(
+    members=st.lists(st.one_of(json_values, st.sampled_from(_ODD_SCALARS)), max_size=6),
+    value=st.one_of(
+        json_values, st.sampled_from([*_ODD_SCALARS, _Number.ONE, _Text("1"), [1], {"a": 1}])
+    ),
+)
+def test_enum_membership_by_key_is_json_equality(members: list[Any], value: Any) -> None:
+    """``member_test`` (a set lookup for scalar members) answers as ``json_equal`` with each."""
+    assert member_test(members)(value) == any(json_equal(value, m) for m in members)

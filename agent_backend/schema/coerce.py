@@ -65,7 +65,7 @@ from agent_backend.schema.coerce_rules import (
     compile_patterns,
     from_pairs,
     is_map,
-    json_equal,
+    member_test,
     type_allowed,
     type_plan,
 )
@@ -346,13 +346,14 @@ class Coercer:
         if not kinds:
             return None  # only strings (or nothing a string converts to) are allowed
         convert_to = self._convert_to
+        is_member = member_test(members)
 
         def convert(value: Any, depth: int) -> Any:
-            if any(json_equal(value, member) for member in members):
+            if is_member(value):
                 return value
             for kind in kinds:
                 candidate = convert_to(value, kind, depth)
-                if candidate is not FAIL and any(json_equal(candidate, m) for m in members):
+                if candidate is not FAIL and is_member(candidate):
                     return candidate
             return value
 

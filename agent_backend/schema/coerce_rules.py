@@ -30,6 +30,7 @@ __all__ = [
     "from_pairs",
     "is_map",
     "json_equal",
+    "member_test",
     "to_boolean",
     "to_integer",
     "to_null",
@@ -182,6 +183,39 @@ def json_equal(a: Any, b: Any) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(json_equal(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
+
+
+_KEY_KINDS: Final = {bool: 0, int: 1, float: 1, str: 2, type(None): 3}
+
+
+def _member_key(value: Any) -> tuple[int, Any] | None:
+    """A hashable key equal for two scalars exactly when :func:`json_equal` says they are
+    equal (exact scalar types only; NaN has none: it equals nothing)."""
+    kind = _KEY_KINDS.get(type(value))
+    if kind is None or value != value:
+        return None
+    return kind, value
+
+
+def member_test(members: list[Any]) -> Callable[[Any], bool]:
+    """``lambda value: any(json_equal(value, m) for m in members)``, by a set lookup for the
+    scalar members (an ``enum`` of a few strings or numbers is checked on every repair)."""
+    keys = set()
+    others = []
+    for member in members:
+        key = _member_key(member)
+        if key is None:
+            others.append(member)
+        else:
+            keys.add(key)
+
+    def is_member(value: Any) -> bool:
+        key = _member_key(value)
+        if key is None:  # a container, a subclass, NaN: compared with every member
+            return any(json_equal(value, member) for member in members)
+        return key in keys or any(json_equal(value, member) for member in others)
+
+    return is_member
 
 
 #: The keys of one entry of a map written as a list of pairs (the strict variant's form, strict.py).

@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRAINERS := $(VENV)/.trainers-installed
 
-.PHONY: run test test-envs lint typecheck pytest bench system-deps vllm-env clean
+.PHONY: run test test-envs test-envs-and-lint lint typecheck pytest bench system-deps vllm-env clean
 
 $(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c agent_backend/schema/_repair.c
 	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
@@ -75,12 +75,17 @@ pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
 # The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
 # side from the start they cost the longest chain's time (.venv, then its trainers and
 # frameworks), not the sum. The two apt steps take turns (scripts/ensure-system-deps.sh).
+# `make test` runs the lint among them too: it needs .venv alone (ruff, import-linter, which
+# read the sources only), so it runs while the trainers download, not after them.
 test-envs:
 	$(MAKE) -j4 --no-print-directory --output-sync=target $(FRAMEWORKS) system-deps vllm-env $(MCP_CLIENTS)
 
+test-envs-and-lint:
+	$(MAKE) -j4 --no-print-directory --output-sync=target $(FRAMEWORKS) system-deps vllm-env $(MCP_CLIENTS) lint
+
 # mypy (about 100 s of one core from a cold cache) runs beside the tests, which leave a core
 # idle for much of their run; its verdict counts as before.
-test: test-envs lint
+test: test-envs-and-lint
 	$(MAKE) -j2 --no-print-directory typecheck pytest
 
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.

@@ -81,13 +81,18 @@ all_digits(const Py_UCS1 *p, Py_ssize_t n)
 /* Fewer integer digits than this keep a float finite (coerce_nodes._FINITE_DIGITS). */
 #define FINITE_DIGITS 300
 
+/* NumericFix and ScalarFix: a scalar leaf. ``rules`` is ScalarFix's (NULL in a NumericFix),
+ * ``max_text`` and ``as_number`` NumericFix's. */
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
-    PyObject *allowed, *slow, *dict;
+    PyObject *allowed, *rules, *slow, *dict;
     Py_ssize_t max_text;
     int as_number;
-} NumericFix;
+} LeafFix;
+
+typedef LeafFix NumericFix;
+typedef LeafFix ScalarFix;
 
 /* ASCII text, stripped, as an int or a float, or NULL without an error if it is not one of
  * the common forms: then the Python function decides. The forms are the numeric rules' own
@@ -166,6 +171,7 @@ numeric_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     self->vectorcall = numeric_call;
     self->allowed = Py_NewRef(allowed);
+    self->rules = NULL;
     self->slow = Py_NewRef(slow);
     self->dict = NULL;
     self->max_text = limit;
@@ -174,32 +180,28 @@ numeric_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 }
 
 static int
-numeric_traverse(PyObject *op, visitproc visit, void *arg)
+leaf_traverse(PyObject *op, visitproc visit, void *arg)
 {
-    NumericFix *self = (NumericFix *)op;
+    LeafFix *self = (LeafFix *)op;
     Py_VISIT(self->allowed);
+    Py_VISIT(self->rules);
     Py_VISIT(self->slow);
     Py_VISIT(self->dict);
     return 0;
 }
 
 static int
-numeric_clear(PyObject *op)
+leaf_clear(PyObject *op)
 {
-    NumericFix *self = (NumericFix *)op;
+    LeafFix *self = (LeafFix *)op;
     Py_CLEAR(self->allowed);
+    Py_CLEAR(self->rules);
     Py_CLEAR(self->slow);
     Py_CLEAR(self->dict);
     return 0;
 }
 
 /* -- ScalarFix ------------------------------------------------------------------------- */
-
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    PyObject *allowed, *rules, *slow, *dict;
-} ScalarFix;
 
 static PyObject *
 scalar_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
@@ -255,29 +257,9 @@ scalar_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->rules = Py_NewRef(rules);
     self->slow = Py_NewRef(slow);
     self->dict = NULL;
+    self->max_text = 0;
+    self->as_number = 0;
     return (PyObject *)self;
-}
-
-static int
-scalar_traverse(PyObject *op, visitproc visit, void *arg)
-{
-    ScalarFix *self = (ScalarFix *)op;
-    Py_VISIT(self->allowed);
-    Py_VISIT(self->rules);
-    Py_VISIT(self->slow);
-    Py_VISIT(self->dict);
-    return 0;
-}
-
-static int
-scalar_clear(PyObject *op)
-{
-    ScalarFix *self = (ScalarFix *)op;
-    Py_CLEAR(self->allowed);
-    Py_CLEAR(self->rules);
-    Py_CLEAR(self->slow);
-    Py_CLEAR(self->dict);
-    return 0;
 }
 
 /* -- ObjectFix and ArrayFix ------------------------------------------------------------- */
@@ -605,15 +587,15 @@ static PyTypeObject NumericFixType = {
     .tp_doc = "NumericFix(allowed, as_number, max_text, slow)\n\n"
               "coerce_nodes.type_fix's function for an integer or number leaf: fix(value, "
               "depth, check).",
-    .tp_basicsize = sizeof(NumericFix),
+    .tp_basicsize = sizeof(LeafFix),
     .tp_flags = FIX_TYPE_FLAGS,
     .tp_new = numeric_new,
     .tp_dealloc = fix_dealloc,
-    .tp_traverse = numeric_traverse,
-    .tp_clear = numeric_clear,
+    .tp_traverse = leaf_traverse,
+    .tp_clear = leaf_clear,
     .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(NumericFix, vectorcall),
-    .tp_dictoffset = offsetof(NumericFix, dict),
+    .tp_vectorcall_offset = offsetof(LeafFix, vectorcall),
+    .tp_dictoffset = offsetof(LeafFix, dict),
     .tp_getset = fix_getset,
 };
 
@@ -623,15 +605,15 @@ static PyTypeObject ScalarFixType = {
     .tp_doc = "ScalarFix(allowed, rules, slow)\n\n"
               "coerce_nodes.type_fix's function for another scalar leaf: fix(value, depth, "
               "check).",
-    .tp_basicsize = sizeof(ScalarFix),
+    .tp_basicsize = sizeof(LeafFix),
     .tp_flags = FIX_TYPE_FLAGS,
     .tp_new = scalar_new,
     .tp_dealloc = fix_dealloc,
-    .tp_traverse = scalar_traverse,
-    .tp_clear = scalar_clear,
+    .tp_traverse = leaf_traverse,
+    .tp_clear = leaf_clear,
     .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(ScalarFix, vectorcall),
-    .tp_dictoffset = offsetof(ScalarFix, dict),
+    .tp_vectorcall_offset = offsetof(LeafFix, vectorcall),
+    .tp_dictoffset = offsetof(LeafFix, dict),
     .tp_getset = fix_getset,
 };
 

@@ -29,7 +29,13 @@ from support.schema_strategies import fuzz_arguments, fuzz_schemas, make_argumen
 from agent_backend.errors import AgentBackendError, ToolArgumentError
 from agent_backend.schema import coerce_nodes, compile_schema, plain
 from agent_backend.schema.coerce import Coercer
-from agent_backend.schema.coerce_nodes import LEAVE_OUT, array_fix, object_fix, type_fix
+from agent_backend.schema.coerce_nodes import (
+    LEAVE_OUT,
+    array_fix,
+    null_left_out,
+    object_fix,
+    type_fix,
+)
 from agent_backend.schema.coerce_rules import FAIL, TEXT_RULES
 
 pytestmark = [
@@ -37,7 +43,7 @@ pytestmark = [
     pytest.mark.skipif(not plain.ACCELERATED, reason="the C extension is not built"),
 ]
 
-_C_NODES = ("_NumericFix", "_ScalarFix", "_ObjectFix", "_ArrayFix")
+_C_NODES = ("_NumericFix", "_ScalarFix", "_ObjectFix", "_ArrayFix", "_NullLeftOut")
 
 
 @contextmanager
@@ -411,6 +417,22 @@ def test_a_schema_and_value_deeper_than_the_recursion_limit_raise_recursion_erro
         Coercer(array, is_valid=never_valid, max_depth=levels).coerce(items, known_invalid=True)
 
 
+def test_null_leaves_an_optional_property_out_and_other_values_go_to_its_fix(
+    built: str,
+) -> None:
+    inner = Recorder(lambda v: ("fixed", v))
+    fix = null_left_out(inner)
+    assert (type(fix).__name__ == "NullLeftOut") == (built == "c")
+    assert fix(None, 1, True) is LEAVE_OUT
+    assert fix("3", 2, False) == ("fixed", "3")
+    assert fix(value=0, depth=4, check=True) == ("fixed", 0)
+    assert inner.calls == [("3", 2, False), (0, 4, True)]
+    out = object_fix({}, {"a": fix}, None, no_generic, lambda node: never, False)(
+        {"a": None, "b": 1}, 1, False
+    )
+    assert out == {"b": 1}
+
+
 def test_reference_counts_are_unchanged_over_many_repairs() -> None:
     schema = {
         "type": "object",
@@ -419,6 +441,7 @@ def test_reference_counts_are_unchanged_over_many_repairs() -> None:
             "x": {"type": "number"},
             "b": {"type": "boolean"},
             "gone": {"type": "integer"},
+            "left_out": {"type": "string"},
             "items": {
                 "type": "array",
                 "items": {"type": "object", "properties": {"q": {"type": "integer"}}},
@@ -426,7 +449,14 @@ def test_reference_counts_are_unchanged_over_many_repairs() -> None:
         },
     }
     compiled = compile_schema(schema)
-    value = {"n": "1", "x": "2.5", "b": "true", "gone": None, "items": '[{"q": "3"}, "{}"]'}
+    value = {
+        "n": "1",
+        "x": "2.5",
+        "b": "true",
+        "gone": None,
+        "left_out": None,
+        "items": '[{"q": "3"}, "{}"]',
+    }
     texts = [v for v in value.values() if v is not None]
     for _ in range(50):
         compiled.prepare(value)

@@ -10,7 +10,9 @@
  *   ObjectFix(node, fixes, parse, generic, accepts_of, check_children, slow)
  *       an object node whose only repairing keyword is ``properties``;
  *   ArrayFix(node, each, parse, generic, accepts_of, check_items, slow)
- *       an array node with one ``items`` schema for every item.
+ *       an array node with one ``items`` schema for every item;
+ *   NullLeftOut(fix, slow)
+ *       an optional property whose schema refuses null: null leaves it out.
  *
  * Each stands for the Python function ``slow`` built from the same arguments
  * (coerce_nodes.py), and gives its answers: what C does not handle exactly (a
@@ -564,6 +566,69 @@ container_clear(PyObject *op)
     return 0;
 }
 
+/* -- NullLeftOut ------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *fix, *slow, *dict;
+} NullLeftOut;
+
+static PyObject *
+null_left_out_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    NullLeftOut *self = (NullLeftOut *)op;
+    if (!is_node_call(nargsf, kwnames))
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    if (args[0] == Py_None)
+        return Py_NewRef(leave_out);
+    return PyObject_Vectorcall(self->fix, args, nargsf, NULL);
+}
+
+static PyObject *
+null_left_out_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *fix, *slow;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "NullLeftOut() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "NullLeftOut", 2, 2, &fix, &slow))
+        return NULL;
+    if (!PyCallable_Check(fix) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError, "NullLeftOut(fix: callable, slow: callable)");
+        return NULL;
+    }
+    NullLeftOut *self = (NullLeftOut *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = null_left_out_call;
+    self->fix = Py_NewRef(fix);
+    self->slow = Py_NewRef(slow);
+    self->dict = NULL;
+    return (PyObject *)self;
+}
+
+static int
+null_left_out_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    NullLeftOut *self = (NullLeftOut *)op;
+    Py_VISIT(self->fix);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+null_left_out_clear(PyObject *op)
+{
+    NullLeftOut *self = (NullLeftOut *)op;
+    Py_CLEAR(self->fix);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
 /* -- the types -------------------------------------------------------------------------- */
 
 static void
@@ -651,6 +716,23 @@ static PyTypeObject ArrayFixType = {
     .tp_getset = fix_getset,
 };
 
+static PyTypeObject NullLeftOutType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.NullLeftOut",
+    .tp_doc = "NullLeftOut(fix, slow)\n\n"
+              "coerce_nodes.null_left_out's function: fix(value, depth, check).",
+    .tp_basicsize = sizeof(NullLeftOut),
+    .tp_flags = FIX_TYPE_FLAGS,
+    .tp_new = null_left_out_new,
+    .tp_dealloc = fix_dealloc,
+    .tp_traverse = null_left_out_traverse,
+    .tp_clear = null_left_out_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(NullLeftOut, vectorcall),
+    .tp_dictoffset = offsetof(NullLeftOut, dict),
+    .tp_getset = fix_getset,
+};
+
 /* set_sentinels(leave_out, fail): coerce_nodes.LEAVE_OUT and coerce_rules.FAIL, given once
  * by coerce_nodes when it imports this module (they are Python objects of that module). */
 static PyObject *
@@ -684,12 +766,14 @@ _repair_add_types(PyObject *module)
         leave_out == NULL || fail == NULL)
         return -1;
     if (PyType_Ready(&NumericFixType) < 0 || PyType_Ready(&ScalarFixType) < 0 ||
-        PyType_Ready(&ObjectFixType) < 0 || PyType_Ready(&ArrayFixType) < 0)
+        PyType_Ready(&ObjectFixType) < 0 || PyType_Ready(&ArrayFixType) < 0 ||
+        PyType_Ready(&NullLeftOutType) < 0)
         return -1;
     if (PyModule_AddObjectRef(module, "NumericFix", (PyObject *)&NumericFixType) < 0 ||
         PyModule_AddObjectRef(module, "ScalarFix", (PyObject *)&ScalarFixType) < 0 ||
         PyModule_AddObjectRef(module, "ObjectFix", (PyObject *)&ObjectFixType) < 0 ||
-        PyModule_AddObjectRef(module, "ArrayFix", (PyObject *)&ArrayFixType) < 0)
+        PyModule_AddObjectRef(module, "ArrayFix", (PyObject *)&ArrayFixType) < 0 ||
+        PyModule_AddObjectRef(module, "NullLeftOut", (PyObject *)&NullLeftOutType) < 0)
         return -1;
     return PyModule_AddFunctions(module, repair_methods);
 }

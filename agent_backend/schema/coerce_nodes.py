@@ -8,7 +8,7 @@ to the generic path, so the result is always the same. These run on every
 repair: closure variables, no attribute lookups, no work a node does not need.
 
 With the C extension built, the most common (:func:`type_fix` for a scalar
-leaf, :func:`object_fix`, :func:`array_fix`) return
+leaf, :func:`object_fix`, :func:`array_fix`, :func:`null_left_out`) return
 its objects (``_repair.c``), each standing for the Python function built here:
 they handle the common values without a Python frame and hand every other
 value to that function, so the results are the same.
@@ -73,6 +73,7 @@ _NumericFix = plain.NumericFix
 _ScalarFix = plain.ScalarFix
 _ObjectFix = plain.ObjectFix
 _ArrayFix = plain.ArrayFix
+_NullLeftOut = plain.NullLeftOut
 if plain.set_sentinels is not None:
     plain.set_sentinels(LEAVE_OUT, FAIL)
 
@@ -92,6 +93,8 @@ def null_left_out(fix: Fix) -> Fix:
     def fix_or_leave_out(value: Any, depth: int, check: bool) -> Any:
         return LEAVE_OUT if value is None else fix(value, depth, check)
 
+    if _NullLeftOut is not None:
+        return _NullLeftOut(fix, fix_or_leave_out)
     return fix_or_leave_out
 
 

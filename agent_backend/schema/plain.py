@@ -33,6 +33,7 @@ __all__ = [
     "ArrayFix",
     "CachedPrepare",
     "DictPrepare",
+    "NullLeftOut",
     "NumericFix",
     "ObjectFix",
     "ScalarFix",
@@ -95,12 +96,14 @@ NumericFix: type[_plain.NumericFix] | None
 ScalarFix: type[_plain.ScalarFix] | None
 ObjectFix: type[_plain.ObjectFix] | None
 ArrayFix: type[_plain.ArrayFix] | None
+NullLeftOut: type[_plain.NullLeftOut] | None
 set_sentinels: Callable[[object, object], None] | None
 try:
     from agent_backend.schema._plain import (
         ArrayFix,
         CachedPrepare,
         DictPrepare,
+        NullLeftOut,
         NumericFix,
         ObjectFix,
         ScalarFix,
@@ -112,7 +115,7 @@ except ImportError:  # not built (no C compiler at install): same answers, slowe
     plain_copy = plain_copy_python
     big_float = has_big_float
     DictPrepare = CachedPrepare = None
-    NumericFix = ScalarFix = ObjectFix = ArrayFix = set_sentinels = None
+    NumericFix = ScalarFix = ObjectFix = ArrayFix = NullLeftOut = set_sentinels = None
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -119,6 +119,7 @@ class CompiledSchema:
         )
         self.prepare: PrepareFn = _fast_path(
             self._prepare,
+            self._repair,
             fast_validator.is_valid,
             self._is_valid,
             max_bytes=limits.max_bytes,
@@ -198,6 +199,19 @@ class CompiledSchema:
             f"{count}{more} {noun} with the arguments", issues=issues, tool=tool
         )
 
+    def _repair(
+        self, arguments: Arguments, tool: str | None, parsed: dict[str, Any]
+    ) -> dict[str, Any]:
+        """What the fast path read and its validator refused, repaired and validated: the
+        pipeline's repair step without its other branches. Text that may hold an integer
+        orjson could not keep exact, and what repair cannot make valid, take the whole
+        pipeline (which reads the text again, or says what is wrong)."""
+        if type(arguments) is dict or not big_float(parsed):
+            repaired = self._coercers[0].coerce(parsed, known_invalid=True)
+            if type(repaired) is dict and self._is_valid(repaired):
+                return repaired
+        return self._prepare(arguments, tool=tool, parsed=parsed, known_invalid=True)
+
     def _subschema_accepts(self, node: Any, value: Any) -> bool:
         return self._accepts_of(node)(value)
 
@@ -238,6 +252,7 @@ class PrepareFn(Protocol):
 
 def _fast_path(
     full: Callable[..., dict[str, Any]],
+    repair: Callable[[Arguments, str | None, dict[str, Any]], dict[str, Any]],
     text_is_valid: Callable[[Any], bool],
     dict_is_valid: Callable[[Any], bool],
     *,
@@ -258,7 +273,8 @@ def _fast_path(
     so an integer beyond 64 bits that orjson read as a float fails here and
     the text is read again, exactly, by the full pipeline.
 
-    Anything else, and anything invalid, goes through ``full``. Closure
+    What the validator refuses goes to ``repair(arguments, tool, value)``; anything else
+    goes through ``full``. Closure
     variables instead of attribute lookups, and parameters with positional
     defaults (keyword-only defaults cost a dict lookup each per call): this
     runs on every call.
@@ -285,7 +301,7 @@ def _fast_path(
                 return full(arguments, tool=tool, inject_defaults=True, parsed=value)
             if dict_is_valid(value):
                 return value
-            return full(arguments, tool=tool, parsed=value, known_invalid=True)
+            return repair(arguments, tool, value)
         if kind is str:
             size = len(arguments)
             if size > max_bytes:
@@ -304,15 +320,11 @@ def _fast_path(
                 return full(arguments, tool=tool, inject_defaults=True, parsed=value)
             if text_is_valid(value):
                 return value
-            return full(arguments, tool=tool, parsed=value, known_invalid=True)
+            return repair(arguments, tool, value)
         return full(arguments, tool=tool, inject_defaults=inject_defaults)
 
     if _DictPrepare is None:
         return prepare
-
-    def repair(arguments: Arguments, tool: str | None, parsed: dict[str, Any]) -> dict[str, Any]:
-        return full(arguments, tool=tool, parsed=parsed, known_invalid=True)
-
     fast = _DictPrepare(dict_is_valid, max_depth, max_bytes, prepare, repair)
     return functools.update_wrapper(fast, prepare)
 

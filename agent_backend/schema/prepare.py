@@ -176,7 +176,10 @@ class CompiledSchema:
         if valid and not inject_defaults:
             return value
         coercer = self._coercers[inject_defaults]
-        repaired = coercer.coerce(value, known_invalid=not valid)
+        return self._checked(coercer.coerce(value, known_invalid=not valid), tool)
+
+    def _checked(self, repaired: Any, tool: str | None) -> dict[str, Any]:
+        """Repaired arguments if the schema accepts them as an object; else the refusal."""
         if self._is_valid(repaired):
             if type(repaired) is dict:
                 return repaired
@@ -204,12 +207,9 @@ class CompiledSchema:
     ) -> dict[str, Any]:
         """What the fast path read and its validator refused, repaired and validated: the
         pipeline's repair step without its other branches. Text that may hold an integer
-        orjson could not keep exact, and what repair cannot make valid, take the whole
-        pipeline (which reads the text again, or says what is wrong)."""
+        orjson could not keep exact takes the whole pipeline (which reads it again)."""
         if type(arguments) is dict or not big_float(parsed):
-            repaired = self._coercers[0].coerce(parsed, known_invalid=True)
-            if type(repaired) is dict and self._is_valid(repaired):
-                return repaired
+            return self._checked(self._coercers[0].coerce(parsed, known_invalid=True), tool)
         return self._prepare(arguments, tool=tool, parsed=parsed, known_invalid=True)
 
     def _subschema_accepts(self, node: Any, value: Any) -> bool:

@@ -428,3 +428,53 @@ def test_the_probe_targets_of_each_address_form() -> None:
     assert runtime._probe_target("10.0.0.5:6379") == ("10.0.0.5", 6379)
     assert runtime._probe_target("[::1]:6379") == ("::1", 6379)
     assert runtime._probe_target("not an address") is None
+
+
+#: What Ray Client raised in CI when its proxy's per-driver server died at birth (ray#63202).
+_BORN_DEAD = (
+    "Initialization failure from server:\nTraceback (most recent call last):\n"
+    '  File ".../ray/util/client/server/proxier.py", line 765, in Datapath\n'
+    "    if not self.proxy_manager.start_specific_server(\n"
+    "psutil.ZombieProcess: PID still exists but it's a zombie (pid=23001)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("failures", "message", "calls", "joined"),
+    [
+        (2, _BORN_DEAD, 3, True),  # two servers died at birth, the third serves
+        (1, "Initialization failure from server:\nStarting Ray client server failed.", 2, True),
+        (9, _BORN_DEAD, 3, False),  # the attempts are bounded: the last failure is raised
+        # The cluster refused this driver (here: a runtime env it cannot set up): not retried.
+        (9, "Initialization failure from server:\nRuntimeError: WEIRD_ERROR", 1, False),
+    ],
+)
+def test_joining_through_ray_client_retries_a_server_that_died_at_birth_only(
+    monkeypatch: pytest.MonkeyPatch, failures: int, message: str, calls: int, joined: bool
+) -> None:
+    import ray
+
+    from agent_backend.backends.ray import runtime
+
+    seen: list[str] = []
+
+    def init(*, address: str, log_to_driver: bool) -> None:
+        seen.append(address)
+        if len(seen) <= failures:
+            raise ConnectionAbortedError(message)
+
+    monkeypatch.setattr(runtime, "_probe", lambda address: None)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(runtime.time, "sleep", lambda seconds: None)
+    if joined:
+        runtime._join("ray://head.example:10001", log_to_driver=False)
+    else:
+        with pytest.raises(ConnectionAbortedError, match="Initialization failure"):
+            runtime._join("ray://head.example:10001", log_to_driver=False)
+    assert len(seen) == calls
+    assert calls <= runtime.CLIENT_START_ATTEMPTS
+    # A GCS address never goes through Ray Client's proxy: one attempt, whatever it raised.
+    seen.clear()
+    with pytest.raises(ConnectionAbortedError):
+        runtime._join("head.example:6379", log_to_driver=False)
+    assert seen == ["head.example:6379"]

@@ -16,6 +16,7 @@ import math
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final, Protocol
 
@@ -26,11 +27,13 @@ import ray.exceptions
 
 from agent_backend.backends.ray.config import RayPoolConfig, RayToolConfig
 from agent_backend.backends.ray.placement import NodeShape, check_nodes
+from agent_backend.backoff import backoff_delay
 from agent_backend.errors import BackendUnavailable, ConfigError, ResourceUnavailable, clip
 
 __all__ = [
     "ACTOR_DEATHS",
     "CAUSE_LIMIT",
+    "CLIENT_START_ATTEMPTS",
     "CONNECTION",
     "CONNECT_TIMEOUT",
     "NODE_ID_LABEL",
@@ -39,6 +42,7 @@ __all__ = [
     "RayConnection",
     "actor_options",
     "check_cluster",
+    "client_server_died",
     "connect",
     "describe_cause",
     "describe_when_ready",
@@ -252,10 +256,44 @@ def _gcs_budget() -> Iterator[None]:
         os.environ.pop(_GCS_WAIT, None)
 
 
+#: How often joining through Ray Client tries when the server it is given dies at birth.
+CLIENT_START_ATTEMPTS: Final = 3
+#: What Ray Client says when the per-driver server its proxy starts is gone before it serves.
+#: The proxy forks that server from a process whose gRPC threads are running, and the child
+#: sometimes aborts in gRPC's poller (ray-project/ray#63202); the proxy then reports the
+#: child's exit, its zombie or its missing channel. Another attempt gets another server.
+_CLIENT_START_DEATHS: Final = (
+    "Starting Ray client server failed",
+    "ZombieProcess",
+    "NoSuchProcess",
+    "Proxy failed to Connect to backend",
+)
+
+
+def client_server_died(exc: BaseException) -> bool:
+    """Whether ``exc`` from ``ray.init("ray://...")`` means Ray Client's server for this driver
+    died as it started (worth a new attempt), not that the cluster refused this driver."""
+    text = str(exc)
+    return (
+        isinstance(exc, ConnectionAbortedError)
+        and "Initialization failure from server" in text
+        and any(marker in text for marker in _CLIENT_START_DEATHS)
+    )
+
+
 def _join(address: str, *, log_to_driver: bool) -> None:
     _probe(address)
+    attempts = CLIENT_START_ATTEMPTS if address.startswith("ray://") else 1
     with _gcs_budget():
-        ray.init(address=address, log_to_driver=log_to_driver)
+        for attempt in range(1, attempts + 1):
+            try:
+                ray.init(address=address, log_to_driver=log_to_driver)
+                return
+            except ConnectionAbortedError as exc:
+                # Ray Client disconnects a failed attempt itself; the next one starts clean.
+                if attempt == attempts or not client_server_died(exc):
+                    raise
+            time.sleep(backoff_delay(attempt, first=0.5, ceiling=2.0))
 
 
 def _ray_reason(exc: BaseException) -> str:

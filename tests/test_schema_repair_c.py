@@ -32,6 +32,8 @@ from agent_backend.schema.coerce import Coercer
 from agent_backend.schema.coerce_nodes import (
     LEAVE_OUT,
     array_fix,
+    json_parse,
+    member_fix,
     null_left_out,
     object_fix,
     type_fix,
@@ -43,7 +45,16 @@ pytestmark = [
     pytest.mark.skipif(not plain.ACCELERATED, reason="the C extension is not built"),
 ]
 
-_C_NODES = ("_NumericFix", "_ScalarFix", "_ObjectFix", "_ArrayFix", "_NullLeftOut")
+_C_NODES = (
+    "_NumericFix",
+    "_ScalarFix",
+    "_ObjectFix",
+    "_ArrayFix",
+    "_NullLeftOut",
+    "_TypedFix",
+    "_MemberFix",
+    "_JsonParse",
+)
 
 
 @contextmanager
@@ -397,6 +408,93 @@ def test_scalar_nodes_convert_strings_and_hand_other_values_to_convert(built: st
     assert TEXT_RULES["integer"]("42") == 42
 
 
+def test_a_container_type_parses_text_wraps_a_lone_value_and_keeps_its_own_type(
+    built: str,
+) -> None:
+    coercer = Coercer({}, is_valid=never_valid, max_depth=8)
+    seen: list[Any] = []
+
+    def node(types: tuple[str, ...]) -> Any:
+        step = coercer._types_step(types)
+        assert step is not None
+
+        def convert(value: Any, depth: int) -> Any:  # the real step; other values recorded
+            if isinstance(value, str):
+                return step(value, depth)
+            seen.append((value, depth))
+            return "converted"
+
+        return type_fix(types, convert, coercer._parse)
+
+    array, nullable_object = node(("array",)), node(("object", "null"))
+    assert (type(array).__name__ == "TypedFix") == (built == "c")
+    given = ["kept"]
+    assert array(given, 1, True) is given
+    assert array(' ["a", 1] ', 1, True) == ["a", 1]
+    assert array("fries", 1, True) == ["fries"]
+    assert array('{"a": 1}', 1, True) == ['{"a": 1}']
+    assert nullable_object('{"a": 1}', 1, True) == {"a": 1}
+    assert nullable_object("null", 1, True) is None
+    assert nullable_object("[1]", 1, True) == "[1]"
+    assert array(5, 2, False) == "converted"
+    assert nullable_object(True, 3, True) == "converted"
+    assert seen == [(5, 2), (True, 3)]
+
+
+def test_an_enum_converts_strings_to_members_only_and_keeps_everything_else(built: str) -> None:
+    def members_of(members: list[Any]) -> Any:
+        compiled = Coercer({"enum": members}, is_valid=never_valid, max_depth=8)._members_step(
+            members
+        )
+        kinds = Coercer._member_kinds(members)
+        rules = tuple(TEXT_RULES[kind] for kind in kinds if kind in TEXT_RULES)
+        assert compiled is not None
+        return member_fix(members, rules, compiled)
+
+    numbers = members_of([1, 2.5, "x", True, None])
+    containers = members_of([[1], {"a": 1}])
+    assert (type(numbers).__name__ == "MemberFix") == (built == "c")
+    assert type(containers).__name__ == "function"  # a container member: the Python node
+    assert numbers(" 1 ", 1, True) == 1
+    assert type(numbers("1", 1, True)) is int
+    assert numbers("1.0", 1, True) == 1
+    assert numbers("2.5", 1, True) == 2.5
+    assert numbers("3", 1, True) == "3"  # converts, but to no member
+    assert numbers("true", 1, True) is True
+    assert numbers("false", 1, True) == "false"
+    assert numbers("null", 1, True) is None
+    assert numbers("x", 1, True) == "x"
+    assert numbers("nan", 1, True) == "nan"
+    for value in (7, 2.5, False, None, [1], {"a": 1}, float("nan")):
+        assert numbers(value, 1, True) is value
+    assert members_of([True])("1", 1, True) == "1"  # 1 is no boolean
+    assert members_of([1])("true", 1, True) == "true"
+    assert containers("[1]", 1, True) == [1]
+    assert containers('{"a": 1}', 1, True) == {"a": 1}
+
+
+PARSE_TEXTS = [
+    "[1, 2]", '{"a": [1, {"b": 2}]}', "[1, 2", "{'a': 1}", "[9223372036854775808]",
+    "[1e300]", "[1.5]", "[]", "{}", "[[[[[[[[1]]]]]]]]", "[[[[[[[[[1]]]]]]]]]",
+    "[" * 20 + "]" * 20, "[" + "[1]," * 30 + "[1]]", '{"a": "[[[[[[[[[[[["}', "[NaN]",
+    "1", '"[1]"', '{"a": 1}', "[1]", "[\u0661]", '["\u00e9\ud83d\ude00"]',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("text", PARSE_TEXTS)
+def test_the_parser_reads_json_text_as_the_python_parser_does(text: str) -> None:
+    coercer = Coercer({}, is_valid=never_valid, max_depth=8)
+    fast = json_parse(8, coercer._parse_text)
+    assert type(fast).__name__ == "JsonParse"
+    for opener, wanted in (("[", list), ("{", dict)):
+        for depth in (0, 1, 4, 8, 9, 12):
+            expected = outcome(lambda: coercer._parse_text(text, opener, wanted, depth))  # noqa: B023
+            got = outcome(lambda: fast(text, opener, wanted, depth))  # noqa: B023
+            assert expected[0] == got[0], (text, opener, depth)
+            assert same(expected[1], got[1]), (text, opener, depth)
+    assert fast(text, "[", tuple, 1) is coercer._parse_text(text, "[", tuple, 1)  # other shapes
+
+
 def test_a_schema_and_value_deeper_than_the_recursion_limit_raise_recursion_error() -> None:
     """Values reach repair bounded in depth (``Limits.max_depth``); called directly on a deeper
     one, the C nodes stop at Python's recursion limit, as the Python functions do."""
@@ -442,6 +540,10 @@ def test_reference_counts_are_unchanged_over_many_repairs() -> None:
             "b": {"type": "boolean"},
             "gone": {"type": "integer"},
             "left_out": {"type": "string"},
+            "e": {"type": "integer", "enum": [1, 2, 3]},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "lone": {"type": "array", "items": {"type": "string"}},
+            "obj": {"type": "object"},
             "items": {
                 "type": "array",
                 "items": {"type": "object", "properties": {"q": {"type": "integer"}}},
@@ -455,6 +557,10 @@ def test_reference_counts_are_unchanged_over_many_repairs() -> None:
         "b": "true",
         "gone": None,
         "left_out": None,
+        "e": "2",
+        "tags": '["a", "b"]',
+        "lone": " fries ",
+        "obj": '{"k": [1]}',
         "items": '[{"q": "3"}, "{}"]',
     }
     texts = [v for v in value.values() if v is not None]
@@ -467,7 +573,16 @@ def test_reference_counts_are_unchanged_over_many_repairs() -> None:
         start = tracemalloc.get_traced_memory()[0]
         for _ in range(2000):
             out = compiled.prepare(value)
-            assert out == {"n": 1, "x": 2.5, "b": True, "items": [{"q": 3}, {}]}
+            assert out == {
+                "n": 1,
+                "x": 2.5,
+                "b": True,
+                "e": 2,
+                "tags": ["a", "b"],
+                "lone": [" fries "],
+                "obj": {"k": [1]},
+                "items": [{"q": 3}, {}],
+            }
         del out
         gc.collect()
         grown = tracemalloc.get_traced_memory()[0] - start

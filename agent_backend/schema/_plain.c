@@ -631,9 +631,10 @@ static PyTypeObject CachedPrepareType = {
  * in its dicts and lists: where orjson may have read an integer beyond 64 bits
  * as a float, so the text must be read again exactly. Only exact dict, list and
  * float are looked at (parsed JSON holds nothing else). Deeper than the C stack
- * allows answers true: the caller then re-reads, which is only slower. */
-static int
-holds_big_float(PyObject *v)
+ * allows answers true: the caller then re-reads, which is only slower. Shared with
+ * _repair.c (JsonParse). */
+int
+_plain_holds_big_float(PyObject *v)
 {
     PyTypeObject *t = Py_TYPE(v);
     if (t == &PyFloat_Type)
@@ -649,12 +650,12 @@ holds_big_float(PyObject *v)
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (!found && PyDict_Next(v, &pos, &key, &value))
-            found = holds_big_float(value);
+            found = _plain_holds_big_float(value);
     }
     else {
         Py_ssize_t i;
         for (i = 0; !found && i < PyList_GET_SIZE(v); i++)
-            found = holds_big_float(PyList_GET_ITEM(v, i));
+            found = _plain_holds_big_float(PyList_GET_ITEM(v, i));
     }
     Py_LeaveRecursiveCall();
     return found;
@@ -663,7 +664,7 @@ holds_big_float(PyObject *v)
 static PyObject *
 big_float(PyObject *Py_UNUSED(module), PyObject *value)
 {
-    return PyBool_FromLong(holds_big_float(value));
+    return PyBool_FromLong(_plain_holds_big_float(value));
 }
 
 static PyMethodDef plain_methods[] = {

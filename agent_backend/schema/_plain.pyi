@@ -80,3 +80,39 @@ class NullLeftOut:
     def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
 
 def set_sentinels(leave_out: object, fail: object, /) -> None: ...
+
+class TypedFix:
+    def __init__(
+        self,
+        allowed: tuple[type, ...],
+        rules: tuple[Callable[[str], Any], ...],
+        openers: tuple[tuple[str, type], ...],
+        wrap: bool,
+        parse: Callable[[str, str, type, int], Any],
+        slow: _Fix,
+        /,
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+class MemberFix:
+    def __init__(
+        self,
+        strings: frozenset[str],
+        numbers: frozenset[int | float],
+        flags: frozenset[bool],
+        null_ok: bool,
+        rules: tuple[Callable[[str], Any], ...],
+        slow: _Fix,
+        /,
+    ) -> None: ...
+    def __call__(self, value: Any, depth: int, check: bool, /) -> Any: ...
+
+class JsonParse:
+    def __init__(
+        self,
+        loads: Callable[[str], Any],
+        max_depth: int,
+        slow: Callable[[str, str, type, int], Any],
+        /,
+    ) -> None: ...
+    def __call__(self, text: str, opener: str, wanted: type, depth: int, /) -> Any: ...

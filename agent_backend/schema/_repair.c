@@ -1,7 +1,7 @@
 /* The repair nodes of agent_backend/schema/coerce_nodes.py in C (part of the _plain module).
  *
  * Repair compiles each schema node into a function fix(value, depth, check) (coerce.py).
- * The three most common shapes run here, without a Python frame per node and value:
+ * The most common shapes run here, without a Python frame per node and value:
  *
  *   NumericFix(allowed, as_number, max_text, slow)
  *       an ``integer`` or ``number`` leaf given a numeric string;
@@ -12,7 +12,13 @@
  *   ArrayFix(node, each, parse, generic, accepts_of, check_items, slow)
  *       an array node with one ``items`` schema for every item;
  *   NullLeftOut(fix, slow)
- *       an optional property whose schema refuses null: null leaves it out.
+ *       an optional property whose schema refuses null: null leaves it out;
+ *   TypedFix(allowed, rules, openers, wrap, parse, slow)
+ *       a ``type`` that names a container, given a string (JSON text, or a lone value);
+ *   MemberFix(strings, numbers, flags, null_ok, rules, slow)
+ *       an ``enum`` or ``const`` of scalars given a string that spells a member;
+ *   JsonParse(loads, max_depth, slow)
+ *       the parser of JSON-encoded containers every node above uses.
  *
  * Each stands for the Python function ``slow`` built from the same arguments
  * (coerce_nodes.py), and gives its answers: what C does not handle exactly (a
@@ -30,6 +36,7 @@
 #include <stddef.h>
 
 int _repair_add_types(PyObject *module);
+int _plain_holds_big_float(PyObject *v); /* _plain.c */
 
 static PyObject *str_strip, *str_open_brace, *str_open_bracket, *leave_out, *fail;
 
@@ -40,9 +47,15 @@ is_node_call(size_t nargsf, PyObject *kwnames)
     return PyVectorcall_NARGS(nargsf) == 3 && kwnames == NULL;
 }
 
+/* text.strip() (an exact str): text itself when neither end is whitespace, as str.strip
+ * answers then, without the method call. */
 static PyObject *
 stripped(PyObject *text)
 {
+    Py_ssize_t n = PyUnicode_GET_LENGTH(text);
+    if (n == 0 || (!Py_UNICODE_ISSPACE(PyUnicode_READ_CHAR(text, 0)) &&
+                   !Py_UNICODE_ISSPACE(PyUnicode_READ_CHAR(text, n - 1))))
+        return Py_NewRef(text);
     return PyObject_CallMethodNoArgs(text, str_strip);
 }
 
@@ -629,6 +642,388 @@ null_left_out_clear(PyObject *op)
     return 0;
 }
 
+/* -- JsonParse ------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *loads, *slow, *dict;
+    Py_ssize_t max_depth;
+} JsonParse;
+
+/* How many of text's characters are '{' or '[', counted up to limit + 1. */
+static Py_ssize_t
+count_openers(PyObject *text, Py_ssize_t limit)
+{
+    int kind = PyUnicode_KIND(text);
+    const void *data = PyUnicode_DATA(text);
+    Py_ssize_t i, n = PyUnicode_GET_LENGTH(text), count = 0;
+    for (i = 0; i < n && count <= limit; i++) {
+        Py_UCS4 c = PyUnicode_READ(kind, data, i);
+        count += c == '{' || c == '[';
+    }
+    return count;
+}
+
+/* Coercer._parse_text's function: parse(text, opener, wanted, depth). The common case
+ * (text orjson reads, shallow enough to need no walk, no float that may be a big integer)
+ * is answered here; everything else goes to ``slow`` with the same arguments. */
+static PyObject *
+json_parse_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    JsonParse *self = (JsonParse *)op;
+    if (PyVectorcall_NARGS(nargsf) != 4 || kwnames != NULL || !PyUnicode_CheckExact(args[0]) ||
+        !PyUnicode_CheckExact(args[1]) || !PyLong_CheckExact(args[3]) ||
+        (args[2] != (PyObject *)&PyDict_Type && args[2] != (PyObject *)&PyList_Type))
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    PyObject *text = args[0];
+    Py_ssize_t starts = PyUnicode_Tailmatch(text, args[1], 0, PY_SSIZE_T_MAX, -1);
+    if (starts < 0)
+        return NULL;
+    if (!starts)
+        return Py_NewRef(fail);
+    Py_ssize_t level = PyLong_AsSsize_t(args[3]);
+    if (level == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t levels = self->max_depth - level + 1; /* how many levels may nest from depth */
+    if (levels < 1 || level < 0)
+        return PyObject_Vectorcall(self->slow, args, nargsf, NULL);
+    if (PyUnicode_GET_LENGTH(text) >= 2 * levels + 2 && count_openers(text, levels) > levels)
+        return PyObject_Vectorcall(self->slow, args, nargsf, NULL); /* a walk bounds it */
+    PyObject *parsed = PyObject_CallOneArg(self->loads, text);
+    if (parsed == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_ValueError))
+            return NULL;
+        PyErr_Clear(); /* text orjson refuses: the exact reader decides */
+        return PyObject_Vectorcall(self->slow, args, nargsf, NULL);
+    }
+    if (_plain_holds_big_float(parsed)) {
+        Py_DECREF(parsed);
+        return PyObject_Vectorcall(self->slow, args, nargsf, NULL);
+    }
+    if (Py_TYPE(parsed) == (PyTypeObject *)args[2])
+        return parsed;
+    Py_DECREF(parsed);
+    return Py_NewRef(fail);
+}
+
+static PyObject *
+json_parse_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *loads, *max_depth, *slow;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "JsonParse() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "JsonParse", 3, 3, &loads, &max_depth, &slow))
+        return NULL;
+    if (!PyCallable_Check(loads) || !PyLong_Check(max_depth) || !PyCallable_Check(slow)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "JsonParse(loads: callable, max_depth: int, slow: callable)");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(max_depth);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    JsonParse *self = (JsonParse *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = json_parse_call;
+    self->loads = Py_NewRef(loads);
+    self->slow = Py_NewRef(slow);
+    self->dict = NULL;
+    self->max_depth = limit;
+    return (PyObject *)self;
+}
+
+static int
+json_parse_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    JsonParse *self = (JsonParse *)op;
+    Py_VISIT(self->loads);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+json_parse_clear(PyObject *op)
+{
+    JsonParse *self = (JsonParse *)op;
+    Py_CLEAR(self->loads);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+/* -- TypedFix --------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    /* openers: a tuple of (opener, wanted) pairs, as type_plan gives them */
+    PyObject *allowed, *rules, *openers, *parse, *slow, *dict;
+    int wrap;
+} TypedFix;
+
+/* coerce_nodes.type_fix's function for a type list that names a container: a value of an
+ * allowed type is kept; a string is converted as the node's convert step converts it (each
+ * rule, then each opener's parse, then wrapped where an array is allowed); any other value
+ * goes to ``slow``. */
+static PyObject *
+typed_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    TypedFix *self = (TypedFix *)op;
+    if (!is_node_call(nargsf, kwnames))
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    PyObject *value = args[0];
+    if (in_types(self->allowed, Py_TYPE(value)))
+        return Py_NewRef(value);
+    if (!PyUnicode_CheckExact(value))
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    PyObject *text = stripped(value);
+    if (text == NULL)
+        return NULL;
+    Py_ssize_t i;
+    for (i = 0; i < PyTuple_GET_SIZE(self->rules); i++) {
+        PyObject *new = PyObject_CallOneArg(PyTuple_GET_ITEM(self->rules, i), text);
+        if (new != fail) {
+            Py_DECREF(text);
+            return new; /* the value, or NULL on an error */
+        }
+        Py_DECREF(new);
+    }
+    for (i = 0; i < PyTuple_GET_SIZE(self->openers); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(self->openers, i);
+        PyObject *parse_args[4] = {text, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1),
+                                   args[1]};
+        PyObject *new = PyObject_Vectorcall(self->parse, parse_args, 4, NULL);
+        if (new != fail) {
+            Py_DECREF(text);
+            return new;
+        }
+        Py_DECREF(new);
+    }
+    Py_DECREF(text);
+    if (!self->wrap)
+        return Py_NewRef(value);
+    PyObject *wrapped = PyList_New(1);
+    if (wrapped != NULL)
+        PyList_SET_ITEM(wrapped, 0, Py_NewRef(value));
+    return wrapped;
+}
+
+static PyObject *
+typed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *allowed, *rules, *openers, *wrap, *parse, *slow;
+    Py_ssize_t i;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "TypedFix() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "TypedFix", 6, 6, &allowed, &rules, &openers, &wrap, &parse,
+                           &slow))
+        return NULL;
+    int ok = PyTuple_CheckExact(allowed) && PyTuple_CheckExact(rules) &&
+             PyTuple_CheckExact(openers) && PyBool_Check(wrap) && PyCallable_Check(parse) &&
+             PyCallable_Check(slow);
+    for (i = 0; ok && i < PyTuple_GET_SIZE(rules); i++)
+        ok = PyCallable_Check(PyTuple_GET_ITEM(rules, i));
+    for (i = 0; ok && i < PyTuple_GET_SIZE(openers); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(openers, i);
+        ok = PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2 &&
+             PyUnicode_CheckExact(PyTuple_GET_ITEM(pair, 0)) &&
+             PyType_Check(PyTuple_GET_ITEM(pair, 1));
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError,
+                        "TypedFix(allowed: tuple, rules: tuple of callables, openers: tuple of "
+                        "(str, type), wrap: bool, parse: callable, slow: callable)");
+        return NULL;
+    }
+    TypedFix *self = (TypedFix *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = typed_call;
+    self->allowed = Py_NewRef(allowed);
+    self->rules = Py_NewRef(rules);
+    self->openers = Py_NewRef(openers);
+    self->parse = Py_NewRef(parse);
+    self->slow = Py_NewRef(slow);
+    self->dict = NULL;
+    self->wrap = wrap == Py_True;
+    return (PyObject *)self;
+}
+
+static int
+typed_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    TypedFix *self = (TypedFix *)op;
+    Py_VISIT(self->allowed);
+    Py_VISIT(self->rules);
+    Py_VISIT(self->openers);
+    Py_VISIT(self->parse);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+typed_clear(PyObject *op)
+{
+    TypedFix *self = (TypedFix *)op;
+    Py_CLEAR(self->allowed);
+    Py_CLEAR(self->rules);
+    Py_CLEAR(self->openers);
+    Py_CLEAR(self->parse);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+/* -- MemberFix -------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    /* the scalar members by kind: strings, numbers (int and float, not bool), booleans */
+    PyObject *strings, *numbers, *flags, *rules, *slow, *dict;
+    int null_ok;
+} MemberFix;
+
+/* Whether a rule's answer is a member: 1, 0, -1 on an error, 2 for a type not looked up
+ * here (then the Python function decides). Equal as coerce_rules.json_equal: 1 == 1.0,
+ * True is no number, NaN equals nothing. */
+static int
+member_of(MemberFix *self, PyObject *value)
+{
+    PyTypeObject *kind = Py_TYPE(value);
+    if (kind == &PyUnicode_Type)
+        return PySet_Contains(self->strings, value);
+    if (kind == &PyLong_Type)
+        return PySet_Contains(self->numbers, value);
+    if (kind == &PyFloat_Type)
+        return isnan(PyFloat_AS_DOUBLE(value)) ? 0 : PySet_Contains(self->numbers, value);
+    if (kind == &PyBool_Type)
+        return PySet_Contains(self->flags, value);
+    if (value == Py_None)
+        return self->null_ok;
+    return 2;
+}
+
+/* coerce_nodes.member_fix's function: an enum or const of scalars with nothing else to
+ * repair. A string that is no member becomes the first rule's answer that is one; every
+ * other value is kept (no step of such a node changes it). */
+static PyObject *
+member_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    MemberFix *self = (MemberFix *)op;
+    if (!is_node_call(nargsf, kwnames))
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    PyObject *value = args[0];
+    PyTypeObject *kind = Py_TYPE(value);
+    if (kind != &PyUnicode_Type) {
+        if (kind == &PyLong_Type || kind == &PyFloat_Type || kind == &PyBool_Type ||
+            value == Py_None || kind == &PyDict_Type || kind == &PyList_Type)
+            return Py_NewRef(value);
+        return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+    }
+    int found = PySet_Contains(self->strings, value);
+    if (found != 0)
+        return found < 0 ? NULL : Py_NewRef(value);
+    PyObject *text = stripped(value);
+    if (text == NULL)
+        return NULL;
+    Py_ssize_t i;
+    for (i = 0; i < PyTuple_GET_SIZE(self->rules); i++) {
+        PyObject *new = PyObject_CallOneArg(PyTuple_GET_ITEM(self->rules, i), text);
+        if (new == NULL)
+            break;
+        if (new == fail) {
+            Py_DECREF(new);
+            continue;
+        }
+        found = member_of(self, new);
+        if (found == 1) {
+            Py_DECREF(text);
+            return new;
+        }
+        Py_DECREF(new);
+        if (found < 0)
+            break;
+        if (found == 2) {
+            Py_DECREF(text);
+            return PyObject_Vectorcall(self->slow, args, nargsf, kwnames);
+        }
+    }
+    Py_DECREF(text);
+    return PyErr_Occurred() ? NULL : Py_NewRef(value);
+}
+
+static PyObject *
+member_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *strings, *numbers, *flags, *null_ok, *rules, *slow;
+    Py_ssize_t i;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
+        PyErr_SetString(PyExc_TypeError, "MemberFix() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "MemberFix", 6, 6, &strings, &numbers, &flags, &null_ok,
+                           &rules, &slow))
+        return NULL;
+    int ok = PyFrozenSet_CheckExact(strings) && PyFrozenSet_CheckExact(numbers) &&
+             PyFrozenSet_CheckExact(flags) && PyBool_Check(null_ok) &&
+             PyTuple_CheckExact(rules) && PyCallable_Check(slow);
+    for (i = 0; ok && i < PyTuple_GET_SIZE(rules); i++)
+        ok = PyCallable_Check(PyTuple_GET_ITEM(rules, i));
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError,
+                        "MemberFix(strings: frozenset, numbers: frozenset, flags: frozenset, "
+                        "null_ok: bool, rules: tuple of callables, slow: callable)");
+        return NULL;
+    }
+    MemberFix *self = (MemberFix *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->vectorcall = member_call;
+    self->strings = Py_NewRef(strings);
+    self->numbers = Py_NewRef(numbers);
+    self->flags = Py_NewRef(flags);
+    self->rules = Py_NewRef(rules);
+    self->slow = Py_NewRef(slow);
+    self->dict = NULL;
+    self->null_ok = null_ok == Py_True;
+    return (PyObject *)self;
+}
+
+static int
+member_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    MemberFix *self = (MemberFix *)op;
+    Py_VISIT(self->strings);
+    Py_VISIT(self->numbers);
+    Py_VISIT(self->flags);
+    Py_VISIT(self->rules);
+    Py_VISIT(self->slow);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int
+member_clear(PyObject *op)
+{
+    MemberFix *self = (MemberFix *)op;
+    Py_CLEAR(self->strings);
+    Py_CLEAR(self->numbers);
+    Py_CLEAR(self->flags);
+    Py_CLEAR(self->rules);
+    Py_CLEAR(self->slow);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
 /* -- the types -------------------------------------------------------------------------- */
 
 static void
@@ -733,6 +1128,58 @@ static PyTypeObject NullLeftOutType = {
     .tp_getset = fix_getset,
 };
 
+static PyTypeObject JsonParseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.JsonParse",
+    .tp_doc = "JsonParse(loads, max_depth, slow)\n\n"
+              "Coercer._parse_text's function: parse(text, opener, wanted, depth).",
+    .tp_basicsize = sizeof(JsonParse),
+    .tp_flags = FIX_TYPE_FLAGS,
+    .tp_new = json_parse_new,
+    .tp_dealloc = fix_dealloc,
+    .tp_traverse = json_parse_traverse,
+    .tp_clear = json_parse_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(JsonParse, vectorcall),
+    .tp_dictoffset = offsetof(JsonParse, dict),
+    .tp_getset = fix_getset,
+};
+
+static PyTypeObject TypedFixType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.TypedFix",
+    .tp_doc = "TypedFix(allowed, rules, openers, wrap, parse, slow)\n\n"
+              "coerce_nodes.type_fix's function for a type that names a container: "
+              "fix(value, depth, check).",
+    .tp_basicsize = sizeof(TypedFix),
+    .tp_flags = FIX_TYPE_FLAGS,
+    .tp_new = typed_new,
+    .tp_dealloc = fix_dealloc,
+    .tp_traverse = typed_traverse,
+    .tp_clear = typed_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(TypedFix, vectorcall),
+    .tp_dictoffset = offsetof(TypedFix, dict),
+    .tp_getset = fix_getset,
+};
+
+static PyTypeObject MemberFixType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "agent_backend.schema._plain.MemberFix",
+    .tp_doc = "MemberFix(strings, numbers, flags, null_ok, rules, slow)\n\n"
+              "coerce_nodes.member_fix's function: fix(value, depth, check).",
+    .tp_basicsize = sizeof(MemberFix),
+    .tp_flags = FIX_TYPE_FLAGS,
+    .tp_new = member_new,
+    .tp_dealloc = fix_dealloc,
+    .tp_traverse = member_traverse,
+    .tp_clear = member_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(MemberFix, vectorcall),
+    .tp_dictoffset = offsetof(MemberFix, dict),
+    .tp_getset = fix_getset,
+};
+
 /* set_sentinels(leave_out, fail): coerce_nodes.LEAVE_OUT and coerce_rules.FAIL, given once
  * by coerce_nodes when it imports this module (they are Python objects of that module). */
 static PyObject *
@@ -767,13 +1214,17 @@ _repair_add_types(PyObject *module)
         return -1;
     if (PyType_Ready(&NumericFixType) < 0 || PyType_Ready(&ScalarFixType) < 0 ||
         PyType_Ready(&ObjectFixType) < 0 || PyType_Ready(&ArrayFixType) < 0 ||
-        PyType_Ready(&NullLeftOutType) < 0)
+        PyType_Ready(&NullLeftOutType) < 0 || PyType_Ready(&JsonParseType) < 0 ||
+        PyType_Ready(&TypedFixType) < 0 || PyType_Ready(&MemberFixType) < 0)
         return -1;
     if (PyModule_AddObjectRef(module, "NumericFix", (PyObject *)&NumericFixType) < 0 ||
         PyModule_AddObjectRef(module, "ScalarFix", (PyObject *)&ScalarFixType) < 0 ||
         PyModule_AddObjectRef(module, "ObjectFix", (PyObject *)&ObjectFixType) < 0 ||
         PyModule_AddObjectRef(module, "ArrayFix", (PyObject *)&ArrayFixType) < 0 ||
-        PyModule_AddObjectRef(module, "NullLeftOut", (PyObject *)&NullLeftOutType) < 0)
+        PyModule_AddObjectRef(module, "NullLeftOut", (PyObject *)&NullLeftOutType) < 0 ||
+        PyModule_AddObjectRef(module, "JsonParse", (PyObject *)&JsonParseType) < 0 ||
+        PyModule_AddObjectRef(module, "TypedFix", (PyObject *)&TypedFixType) < 0 ||
+        PyModule_AddObjectRef(module, "MemberFix", (PyObject *)&MemberFixType) < 0)
         return -1;
     return PyModule_AddFunctions(module, repair_methods);
 }

@@ -45,10 +45,13 @@ from agent_backend.schema.coerce_nodes import (
     AcceptsOf,
     Fix,
     IsValid,
+    Parse,
     Step,
     array_fix,
     container_fix,
+    json_parse,
     keep,
+    member_fix,
     null_left_out,
     object_descend,
     object_fix,
@@ -112,6 +115,7 @@ class Coercer:
         # id(node) -> (node, its function). Holding the node keeps its id from being reused.
         self._compiled: dict[int, tuple[Any, Fix]] = {}
         self._fix: Fix | None = None
+        self._parse_fn: Parse | None = None
 
     def coerce(self, value: Any, *, known_invalid: bool = False) -> Any:
         """``value`` with what fails repaired; ``known_invalid`` skips re-checking the whole value."""
@@ -145,6 +149,14 @@ class Coercer:
                 )
         return self._fix_of(top)
 
+    @property
+    def _parse(self) -> Parse:
+        """:meth:`_parse_text`, in C where built; chosen on the first use (when nodes compile)."""
+        parse = self._parse_fn
+        if parse is None:
+            parse = self._parse_fn = json_parse(self._max_depth, self._parse_text)
+        return parse
+
     def _fix_of(self, node: Any) -> Fix:
         if not isinstance(node, dict):
             return keep
@@ -167,7 +179,9 @@ class Coercer:
         if node.keys() <= TYPE_ONLY_KEYS:  # a leaf, the most common node: only ``type`` matters
             types = _declared_types(node)
             convert = self._types_step(types) if types is not None else None
-            return keep if types is None or convert is None else type_fix(types, convert)
+            if types is None or convert is None:
+                return keep
+            return type_fix(types, convert, self._parse)
         types = _declared_types(node)
         if types is not None and len(types) > 1 and "$ref" not in node:
             return self._types_union(node, types)
@@ -221,7 +235,9 @@ class Coercer:
             if members is None and types is not None and convert is not None and ref is None:
                 # Then ``generic`` is ``convert``: a container the node accepts is of an
                 # allowed type, which ``convert`` keeps as it is.
-                return type_fix(types, convert)
+                return type_fix(types, convert, self._parse)
+            if members is not None and convert is not None:
+                return member_fix(members, self._member_rules(members), convert)
             return generic
         for kind, name, descend in ((dict, "object", objects), (list, "array", arrays)):
             # An enum or const never converts a container, and neither does a type that allows it.
@@ -338,11 +354,7 @@ class Coercer:
         return convert
 
     def _members_step(self, members: list[Any]) -> Step | None:
-        kinds = tuple(
-            kind
-            for kind in dict.fromkeys(json_type_name(member) for member in members)
-            if kind in CONVERSION_ORDER
-        )
+        kinds = self._member_kinds(members)
         if not kinds:
             return None  # only strings (or nothing a string converts to) are allowed
         convert_to = self._convert_to
@@ -359,6 +371,22 @@ class Coercer:
 
         return convert
 
+    @staticmethod
+    def _member_kinds(members: list[Any]) -> tuple[str, ...]:
+        """The kinds a string may convert to on its way to a member, in conversion order."""
+        return tuple(
+            kind
+            for kind in dict.fromkeys(json_type_name(member) for member in members)
+            if kind in CONVERSION_ORDER
+        )
+
+    def _member_rules(self, members: list[Any]) -> tuple[Any, ...]:
+        """The text rules of :meth:`_members_step`'s kinds; none if one is a container's."""
+        kinds = self._member_kinds(members)
+        if not all(kind in TEXT_RULES for kind in kinds):
+            return ()
+        return tuple(TEXT_RULES[kind] for kind in kinds)
+
     def _convert_to(self, value: Any, kind: str, depth: int) -> Any:
         """``value`` (a string, for every rule) as a ``kind``, or ``FAIL``."""
         if not isinstance(value, str):
@@ -372,7 +400,7 @@ class Coercer:
                 return self._parse(text, opener, wanted, depth)
         return FAIL
 
-    def _parse(self, text: str, opener: str, wanted: type, depth: int) -> Any:
+    def _parse_text(self, text: str, opener: str, wanted: type, depth: int) -> Any:
         """A JSON-encoded object or array at ``depth``, within the depth bound, or ``FAIL``.
 
         orjson reads it; a float that may be an integer orjson could not hold

@@ -7,8 +7,9 @@ numeric string, an object node given an object) and hands every other value
 to the generic path, so the result is always the same. These run on every
 repair: closure variables, no attribute lookups, no work a node does not need.
 
-With the C extension built, the most common (:func:`type_fix` for a scalar
-leaf, :func:`object_fix`, :func:`array_fix`, :func:`null_left_out`) return
+With the C extension built, the most common (:func:`type_fix`,
+:func:`object_fix`, :func:`array_fix`, :func:`null_left_out`, :func:`member_fix`,
+and the JSON parser :func:`json_parse`) return
 its objects (``_repair.c``), each standing for the Python function built here:
 they handle the common values without a Python frame and hand every other
 value to that function, so the results are the same.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from typing import Any, Final
+
+import orjson
 
 from agent_backend.schema import plain
 from agent_backend.schema.coerce_rules import (
@@ -37,7 +40,9 @@ __all__ = [
     "Step",
     "array_fix",
     "container_fix",
+    "json_parse",
     "keep",
+    "member_fix",
     "null_left_out",
     "object_descend",
     "object_fix",
@@ -74,6 +79,9 @@ _ScalarFix = plain.ScalarFix
 _ObjectFix = plain.ObjectFix
 _ArrayFix = plain.ArrayFix
 _NullLeftOut = plain.NullLeftOut
+_TypedFix = plain.TypedFix
+_MemberFix = plain.MemberFix
+_JsonParse = plain.JsonParse
 if plain.set_sentinels is not None:
     plain.set_sentinels(LEAVE_OUT, FAIL)
 
@@ -98,15 +106,21 @@ def null_left_out(fix: Fix) -> Fix:
     return fix_or_leave_out
 
 
-def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
-    """A node whose only repair is its own ``type`` (``convert``): no children, no unions."""
-    allowed, _, rules, _ = type_plan(types)
+def type_fix(types: tuple[str, ...], convert: Step, parse: Parse | None = None) -> Fix:
+    """A node whose only repair is its own ``type`` (``convert``): no children, no unions.
+
+    ``parse`` is the parser ``convert`` reads JSON-encoded containers with (the C node
+    calls it itself)."""
+    allowed, _, rules, openers = type_plan(types)
     if "object" in types or "array" in types:
         # Nothing inside to repair: a container of an allowed type is kept, valid or not.
 
         def fix_typed(value: Any, depth: int, check: bool) -> Any:
             return value if type(value) in allowed else convert(value, depth)
 
+        if _TypedFix is not None and parse is not None:
+            wrap = "array" in types
+            return _TypedFix(tuple(allowed), rules, openers, wrap, parse, fix_typed)
         return fix_typed
     if len(rules) == 1 and (rules[0] is TEXT_RULES["integer"] or rules[0] is TEXT_RULES["number"]):
         as_number = rules[0] is TEXT_RULES["number"]
@@ -166,6 +180,37 @@ def type_fix(types: tuple[str, ...], convert: Step) -> Fix:
     if _ScalarFix is not None:
         return _ScalarFix(tuple(allowed), rules, fix_scalar)
     return fix_scalar
+
+
+def member_fix(members: list[Any], rules: tuple[Callable[[str], Any], ...], convert: Step) -> Fix:
+    """An ``enum`` or ``const`` node with nothing else to repair (``convert`` is its members
+    step): only a string converts, to a member; every other value is kept as it is.
+
+    ``rules`` are the text rules ``convert`` tries, in its order (the C node tries them
+    itself when every member is a scalar and no rule reads a container).
+    """
+
+    def fix(value: Any, depth: int, check: bool) -> Any:
+        return convert(value, depth) if isinstance(value, str) else value
+
+    scalar = (str, int, float, bool, type(None))
+    if _MemberFix is None or not all(type(member) in scalar for member in members):
+        return fix
+    return _MemberFix(
+        frozenset(m for m in members if type(m) is str),
+        frozenset(m for m in members if type(m) in (int, float) and m == m),
+        frozenset(m for m in members if type(m) is bool),
+        any(m is None for m in members),
+        rules,
+        fix,
+    )
+
+
+def json_parse(max_depth: int, slow: Parse) -> Parse:
+    """``slow`` (``Coercer._parse_text``), in C for the common text when the extension is built."""
+    if _JsonParse is None:
+        return slow
+    return _JsonParse(orjson.loads, max_depth, slow)
 
 
 def union_fix(accepts: Accepts, choose: Step) -> Fix:

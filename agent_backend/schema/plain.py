@@ -97,16 +97,22 @@ ScalarFix: type[_plain.ScalarFix] | None
 ObjectFix: type[_plain.ObjectFix] | None
 ArrayFix: type[_plain.ArrayFix] | None
 NullLeftOut: type[_plain.NullLeftOut] | None
+TypedFix: type[_plain.TypedFix] | None
+MemberFix: type[_plain.MemberFix] | None
+JsonParse: type[_plain.JsonParse] | None
 set_sentinels: Callable[[object, object], None] | None
 try:
     from agent_backend.schema._plain import (
         ArrayFix,
         CachedPrepare,
         DictPrepare,
+        JsonParse,
+        MemberFix,
         NullLeftOut,
         NumericFix,
         ObjectFix,
         ScalarFix,
+        TypedFix,
         big_float,
         plain_copy,
         set_sentinels,
@@ -116,6 +122,7 @@ except ImportError:  # not built (no C compiler at install): same answers, slowe
     big_float = has_big_float
     DictPrepare = CachedPrepare = None
     NumericFix = ScalarFix = ObjectFix = ArrayFix = NullLeftOut = set_sentinels = None
+    TypedFix = MemberFix = JsonParse = None
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -295,8 +295,9 @@ def crash_resume(
         child.start()
         if mode == "timer":
             child.join(delay)
-            if child.exitcode is None:
-                os.kill(child.pid, signal.SIGKILL)
+            # kill() ignores a child that has just ended on its own (os.kill would raise
+            # ProcessLookupError); its exit code below tells the two apart
+            child.kill()
         child.join()
         if child.exitcode == 0:
             break

@@ -260,6 +260,35 @@ def test_references_are_neither_leaked_nor_stolen() -> None:
 
 
 @accelerated
+@pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 40])
+def test_a_dict_with_many_nested_containers_is_copied_all_through(count: int) -> None:
+    # The C copy keeps the first 16 nested containers of a dict from its first pass and finds
+    # the rest in the copy: every one of them is copied and checked, on both sides of 16.
+    leaf = "held by this test alone " * 2
+    value: dict[str, Any] = {}
+    inner: Any = None
+    for i in range(count):
+        value[f"s{i}"] = i
+        value[f"c{i}"] = {"k": [leaf, i]} if i % 2 else [leaf, {"k": i}]
+    value["last"] = leaf
+    before = sys.getrefcount(leaf)
+    for _ in range(200):
+        copied = plain_copy(value, 64, BIG)
+        assert copied == value == plain_copy_python(value, 64, BIG)
+        for i in range(count):
+            assert copied[f"c{i}"] is not value[f"c{i}"]
+            inner = copied[f"c{i}"]["k"] if i % 2 else copied[f"c{i}"][1]
+            assert inner is not (value[f"c{i}"]["k"] if i % 2 else value[f"c{i}"][1])
+        for bad in {0, count - 1} if count else set():  # one bad value deep refuses all
+            spoiled = dict(value)
+            spoiled[f"c{bad}"] = [leaf, {"k": float("nan")}]
+            assert plain_copy(spoiled, 64, BIG) is None
+            del spoiled
+    del copied, inner
+    assert sys.getrefcount(leaf) == before
+
+
+@accelerated
 def test_no_python_code_runs_inside_the_copy() -> None:
     """A collection (triggered by an allocation) runs gc callbacks and finalizers: code that
     could find the copies being built (gc.get_referrers) and change or free what was checked.

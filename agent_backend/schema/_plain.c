@@ -41,6 +41,9 @@
 /* orjson refuses to encode 254 levels or more; deeper input takes the checked path. */
 #define ORJSON_MAX_DEPTH 253
 
+/* Nested containers of one dict whose keys the copy keeps from its first pass. */
+#define NESTED_KEPT 16
+
 /* Upper bound of the compact JSON size of a str (quotes included); -1 if it
  * holds a lone surrogate, which is not UTF-8 and orjson refuses. ``room`` is
  * the budget left: a one-byte-per-character string (ASCII or Latin-1, which
@@ -100,6 +103,14 @@ scalar_bound(PyObject *v, Py_ssize_t room)
     if (t == &PyUnicode_Type)
         return str_bound(v, room);
     if (t == &PyLong_Type) {
+        /* Most ints are one digit (below 2**30): within 64 bits without a conversion. */
+#if PY_VERSION_HEX >= 0x030C0000
+        if (PyUnstable_Long_IsCompact((PyLongObject *)v))
+            return 20;
+#else
+        if (Py_ABS(Py_SIZE(v)) <= 1)
+            return 20;
+#endif
         int overflow;
         (void)PyLong_AsLongLongAndOverflow(v, &overflow);
         if (overflow < 0)
@@ -167,10 +178,14 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
     if (Py_TYPE(v) == &PyDict_Type) {
         Py_ssize_t pos = 0, nested = 0;
         PyObject *key, *value, *copied;
+        /* The first NESTED_KEPT nested containers' keys and values, found by the pass over
+         * the input: the copy's are replaced without a second pass (see below). */
+        PyObject *kept[NESTED_KEPT][2];
         /* One pass over the input checks the keys (exact str first: PyDict_Copy may compare
          * other keys with their __eq__) and the scalar values; the nested containers are
          * then replaced in the copy by their own checked copies. No Python code runs in
-         * between, so the copy holds what was checked. */
+         * between, so the copy holds what was checked, and the keys and values kept are
+         * the copy's too (borrowed: the input and the copy hold them). */
         while (PyDict_Next(v, &pos, &key, &value)) {
             Py_ssize_t size = -1;
             if (PyUnicode_CheckExact(key))
@@ -182,6 +197,10 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
             budget->left -= size + 2; /* ':' and ',' */
             PyTypeObject *t = Py_TYPE(value);
             if (t == &PyDict_Type || t == &PyList_Type) {
+                if (nested < NESTED_KEPT) {
+                    kept[nested][0] = key;
+                    kept[nested][1] = value;
+                }
                 nested++;
                 continue;
             }
@@ -193,11 +212,29 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
             }
         }
         out = PyDict_Copy(v);
+        Py_ssize_t i;
+        for (i = 0; out != NULL && ok == 1 && i < nested && i < NESTED_KEPT; i++) {
+            ok = check_item(kept[i][1], depth, max_depth, budget, &copied);
+            if (copied != NULL) {
+                /* Same key, new value: the key set does not change. */
+                if (PyDict_SetItem(out, kept[i][0], copied) < 0)
+                    ok = -1;
+                Py_DECREF(copied);
+            }
+        }
+        /* More nested containers than kept: the rest are found in the copy, which holds
+         * them in the input's order, after the ones already replaced. */
+        Py_ssize_t replaced = 0;
+        nested -= i;
         pos = 0;
         while (out != NULL && nested > 0 && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
             PyTypeObject *t = Py_TYPE(value);
             if (t != &PyDict_Type && t != &PyList_Type)
                 continue;
+            if (replaced < NESTED_KEPT) {
+                replaced++;
+                continue;
+            }
             nested--;
             ok = check_item(value, depth, max_depth, budget, &copied);
             if (copied != NULL) {

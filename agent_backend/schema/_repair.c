@@ -216,6 +216,32 @@ leaf_clear(PyObject *op)
     return 0;
 }
 
+/* The answer of the first of ``rules`` (a tuple of callables) that converts ``text``: a new
+ * reference, or NULL on an error; ``fail`` (a new reference) if none does. */
+static PyObject *
+first_rule(PyObject *rules, PyObject *text)
+{
+    Py_ssize_t i;
+    for (i = 0; i < PyTuple_GET_SIZE(rules); i++) {
+        PyObject *new = PyObject_CallOneArg(PyTuple_GET_ITEM(rules, i), text);
+        if (new != fail)
+            return new;
+        Py_DECREF(new);
+    }
+    return Py_NewRef(fail);
+}
+
+/* 1 if every item of the tuple ``items`` is callable. */
+static int
+all_callable(PyObject *items)
+{
+    Py_ssize_t i;
+    for (i = 0; i < PyTuple_GET_SIZE(items); i++)
+        if (!PyCallable_Check(PyTuple_GET_ITEM(items, i)))
+            return 0;
+    return 1;
+}
+
 /* -- ScalarFix ------------------------------------------------------------------------- */
 
 static PyObject *
@@ -232,16 +258,11 @@ scalar_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwname
     PyObject *text = stripped(value);
     if (text == NULL)
         return NULL;
-    Py_ssize_t i;
-    for (i = 0; i < PyTuple_GET_SIZE(self->rules); i++) {
-        PyObject *new = PyObject_CallOneArg(PyTuple_GET_ITEM(self->rules, i), text);
-        if (new != fail) {
-            Py_DECREF(text);
-            return new; /* the value, or NULL on an error */
-        }
-        Py_DECREF(new);
-    }
+    PyObject *new = first_rule(self->rules, text);
     Py_DECREF(text);
+    if (new != fail)
+        return new; /* the value, or NULL on an error */
+    Py_DECREF(new);
     return Py_NewRef(value);
 }
 
@@ -249,7 +270,6 @@ static PyObject *
 scalar_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *allowed, *rules, *slow;
-    Py_ssize_t i;
     if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
         PyErr_SetString(PyExc_TypeError, "ScalarFix() takes no keyword arguments");
         return NULL;
@@ -257,8 +277,7 @@ scalar_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (!PyArg_UnpackTuple(args, "ScalarFix", 3, 3, &allowed, &rules, &slow))
         return NULL;
     int ok = PyTuple_CheckExact(allowed) && PyTuple_CheckExact(rules) && PyCallable_Check(slow);
-    for (i = 0; ok && i < PyTuple_GET_SIZE(rules); i++)
-        ok = PyCallable_Check(PyTuple_GET_ITEM(rules, i));
+    ok = ok && all_callable(rules);
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
                         "ScalarFix(allowed: tuple, rules: tuple of callables, slow: callable)");
@@ -784,15 +803,13 @@ typed_call(PyObject *op, PyObject *const *args, size_t nargsf, PyObject *kwnames
     PyObject *text = stripped(value);
     if (text == NULL)
         return NULL;
-    Py_ssize_t i;
-    for (i = 0; i < PyTuple_GET_SIZE(self->rules); i++) {
-        PyObject *new = PyObject_CallOneArg(PyTuple_GET_ITEM(self->rules, i), text);
-        if (new != fail) {
-            Py_DECREF(text);
-            return new; /* the value, or NULL on an error */
-        }
-        Py_DECREF(new);
+    PyObject *new = first_rule(self->rules, text);
+    if (new != fail) {
+        Py_DECREF(text);
+        return new; /* the value, or NULL on an error */
     }
+    Py_DECREF(new);
+    Py_ssize_t i;
     for (i = 0; i < PyTuple_GET_SIZE(self->openers); i++) {
         PyObject *pair = PyTuple_GET_ITEM(self->openers, i);
         PyObject *parse_args[4] = {text, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1),
@@ -828,8 +845,7 @@ typed_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     int ok = PyTuple_CheckExact(allowed) && PyTuple_CheckExact(rules) &&
              PyTuple_CheckExact(openers) && PyBool_Check(wrap) && PyCallable_Check(parse) &&
              PyCallable_Check(slow);
-    for (i = 0; ok && i < PyTuple_GET_SIZE(rules); i++)
-        ok = PyCallable_Check(PyTuple_GET_ITEM(rules, i));
+    ok = ok && all_callable(rules);
     for (i = 0; ok && i < PyTuple_GET_SIZE(openers); i++) {
         PyObject *pair = PyTuple_GET_ITEM(openers, i);
         ok = PyTuple_CheckExact(pair) && PyTuple_GET_SIZE(pair) == 2 &&
@@ -965,7 +981,6 @@ static PyObject *
 member_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     PyObject *strings, *numbers, *flags, *null_ok, *rules, *slow;
-    Py_ssize_t i;
     if (kwds != NULL && PyDict_GET_SIZE(kwds) != 0) {
         PyErr_SetString(PyExc_TypeError, "MemberFix() takes no keyword arguments");
         return NULL;
@@ -976,8 +991,7 @@ member_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     int ok = PyFrozenSet_CheckExact(strings) && PyFrozenSet_CheckExact(numbers) &&
              PyFrozenSet_CheckExact(flags) && PyBool_Check(null_ok) &&
              PyTuple_CheckExact(rules) && PyCallable_Check(slow);
-    for (i = 0; ok && i < PyTuple_GET_SIZE(rules); i++)
-        ok = PyCallable_Check(PyTuple_GET_ITEM(rules, i));
+    ok = ok && all_callable(rules);
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
                         "MemberFix(strings: frozenset, numbers: frozenset, flags: frozenset, "

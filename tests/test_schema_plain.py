@@ -262,8 +262,9 @@ def test_references_are_neither_leaked_nor_stolen() -> None:
 @accelerated
 @pytest.mark.parametrize("count", [0, 1, 15, 16, 17, 40])
 def test_a_dict_with_many_nested_containers_is_copied_all_through(count: int) -> None:
-    # The C copy keeps the first 16 nested containers of a dict from its first pass and finds
-    # the rest in the copy: every one of them is copied and checked, on both sides of 16.
+    # The C copy keeps the nested containers of a dict from its first pass when there are at
+    # most 16, and walks the copy again when there are more: on both sides of 16, every one
+    # of them is copied and checked.
     leaf = "held by this test alone " * 2
     value: dict[str, Any] = {}
     inner: Any = None

@@ -178,8 +178,9 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
     if (Py_TYPE(v) == &PyDict_Type) {
         Py_ssize_t pos = 0, nested = 0;
         PyObject *key, *value, *copied;
-        /* The first NESTED_KEPT nested containers' keys and values, found by the pass over
-         * the input: the copy's are replaced without a second pass (see below). */
+        /* The keys and values of the nested containers, found by the pass over the input,
+         * when there are at most NESTED_KEPT: the copy's are then replaced without a second
+         * pass (see below). */
         PyObject *kept[NESTED_KEPT][2];
         /* One pass over the input checks the keys (exact str first: PyDict_Copy may compare
          * other keys with their __eq__) and the scalar values; the nested containers are
@@ -212,29 +213,25 @@ copy_container(PyObject *v, int depth, int max_depth, Budget *budget)
             }
         }
         out = PyDict_Copy(v);
-        Py_ssize_t i;
-        for (i = 0; out != NULL && ok == 1 && i < nested && i < NESTED_KEPT; i++) {
-            ok = check_item(kept[i][1], depth, max_depth, budget, &copied);
-            if (copied != NULL) {
-                /* Same key, new value: the key set does not change. */
-                if (PyDict_SetItem(out, kept[i][0], copied) < 0)
-                    ok = -1;
-                Py_DECREF(copied);
+        if (nested <= NESTED_KEPT) {
+            Py_ssize_t i;
+            for (i = 0; out != NULL && ok == 1 && i < nested; i++) {
+                ok = check_item(kept[i][1], depth, max_depth, budget, &copied);
+                if (copied != NULL) {
+                    /* Same key, new value: the key set does not change. */
+                    if (PyDict_SetItem(out, kept[i][0], copied) < 0)
+                        ok = -1;
+                    Py_DECREF(copied);
+                }
             }
+            nested = 0;
         }
-        /* More nested containers than kept: the rest are found in the copy, which holds
-         * them in the input's order, after the ones already replaced. */
-        Py_ssize_t replaced = 0;
-        nested -= i;
+        /* More nested containers than kept: they are found by a pass over the copy. */
         pos = 0;
         while (out != NULL && nested > 0 && ok == 1 && PyDict_Next(out, &pos, &key, &value)) {
             PyTypeObject *t = Py_TYPE(value);
             if (t != &PyDict_Type && t != &PyList_Type)
                 continue;
-            if (replaced < NESTED_KEPT) {
-                replaced++;
-                continue;
-            }
             nested--;
             ok = check_item(value, depth, max_depth, budget, &copied);
             if (copied != NULL) {

@@ -28,6 +28,15 @@ caller (they are mapped to :mod:`agent_backend.errors`); or leave a remote
 process of a timed-out or cancelled call running.
 """
 
+import warnings
+
+with warnings.catch_warnings():
+    # asyncssh imports cryptography's DSA support when it is imported, and cryptography 51
+    # deprecates DSA: a warning nobody using this package can act on (OpenSSH refuses DSA
+    # keys by default), which `python -W error` turns into an ImportError-like failure.
+    warnings.filterwarnings("ignore", message="DSA is deprecated")
+    import asyncssh  # noqa: F401
+
 from agent_backend.backends.ssh.backend import SSHBackend
 from agent_backend.backends.ssh.config import (
     SSHHostConfig,

@@ -8,7 +8,7 @@ TRAINERS := $(VENV)/.trainers-installed
 
 .PHONY: run test test-envs test-envs-and-lint lint typecheck pytest bench system-deps vllm-env clean
 
-$(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c agent_backend/schema/_repair.c
+$(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c agent_backend/schema/_repair.c agent_backend/schema/_quick.c
 	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip

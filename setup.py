@@ -67,7 +67,11 @@ setup(
     ext_modules=[
         Extension(
             "agent_backend.schema._plain",
-            sources=["agent_backend/schema/_plain.c", "agent_backend/schema/_repair.c"],
+            sources=[
+                "agent_backend/schema/_plain.c",
+                "agent_backend/schema/_repair.c",
+                "agent_backend/schema/_quick.c",
+            ],
             optional=True,
         )
     ],

@@ -30,8 +30,8 @@
  * this module is not built; tests/test_schema_plain.py holds both to the
  * same answers.
  *
- * The repair nodes (NumericFix, ObjectFix, ArrayFix) are in _repair.c, built into
- * this module.
+ * The repair nodes (NumericFix, ObjectFix, ArrayFix) are in _repair.c, and the quick
+ * check of the fast path (QuickNode, QuickValid) in _quick.c, both built into this module.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -342,6 +342,7 @@ plain_copy(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyObject *str_tool, *str_inject_defaults;
 
 int _repair_add_types(PyObject *module); /* _repair.c */
+int _quick_add_types(PyObject *module);  /* _quick.c */
 
 static int
 same_name(PyObject *name, PyObject *interned)
@@ -735,7 +736,7 @@ PyInit__plain(void)
         return NULL;
     if (PyModule_AddObjectRef(module, "DictPrepare", (PyObject *)&DictPrepareType) < 0 ||
         PyModule_AddObjectRef(module, "CachedPrepare", (PyObject *)&CachedPrepareType) < 0 ||
-        _repair_add_types(module) < 0) {
+        _repair_add_types(module) < 0 || _quick_add_types(module) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -13,7 +13,8 @@ one pass that copies and checks), and the pure-Python one below (orjson
 checks and sizes; several times slower on small objects). :data:`ACCELERATED` says
 which one is in use. When built, the C extension also holds the hot path of
 ``prepare`` itself (``DictPrepare``, ``CachedPrepare``): copy, validate and return a
-valid dict without a Python frame.
+valid dict without a Python frame, and its quick check (``QuickNode``, ``QuickValid``,
+``quick.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ __all__ = [
     "NullLeftOut",
     "NumericFix",
     "ObjectFix",
+    "QuickNode",
+    "QuickValid",
     "ScalarFix",
     "big_float",
     "plain_copy",
@@ -100,6 +103,9 @@ NullLeftOut: type[_plain.NullLeftOut] | None
 TypedFix: type[_plain.TypedFix] | None
 MemberFix: type[_plain.MemberFix] | None
 JsonParse: type[_plain.JsonParse] | None
+#: The quick check of the fast path (``quick.py`` builds it), or ``None`` when not built.
+QuickNode: type[_plain.QuickNode] | None
+QuickValid: type[_plain.QuickValid] | None
 set_sentinels: Callable[[object, object], None] | None
 try:
     from agent_backend.schema._plain import (
@@ -111,6 +117,8 @@ try:
         NullLeftOut,
         NumericFix,
         ObjectFix,
+        QuickNode,
+        QuickValid,
         ScalarFix,
         TypedFix,
         big_float,
@@ -122,7 +130,7 @@ except ImportError:  # not built (no C compiler at install): same answers, slowe
     big_float = has_big_float
     DictPrepare = CachedPrepare = None
     NumericFix = ScalarFix = ObjectFix = ArrayFix = NullLeftOut = set_sentinels = None
-    TypedFix = MemberFix = JsonParse = None
+    TypedFix = MemberFix = JsonParse = QuickNode = QuickValid = None
     ACCELERATED = False
 else:
     ACCELERATED = True

@@ -39,6 +39,7 @@ from agent_backend.schema.parse import (
     shallow_enough,
 )
 from agent_backend.schema.plain import CachedPrepare, DictPrepare, big_float, plain_copy
+from agent_backend.schema.quick import quick_valid
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
 
@@ -121,7 +122,9 @@ class CompiledSchema:
             self._prepare,
             self._repair,
             fast_validator.is_valid,
-            self._is_valid,
+            # The dict's copy holds no integer beyond 64 bits: the schema's own validator,
+            # with the quick check in front (quick.py) where the C extension is built.
+            quick_valid(self.resolved, self.dialect, self._is_valid),
             max_bytes=limits.max_bytes,
             max_depth=limits.max_depth,
         )

@@ -8,8 +8,16 @@ object), written with :func:`~agent_backend.tools.render_tool_calls` as the
 family's chat template writes it. Ours (:func:`~agent_backend.tools.from_text`)
 runs in this process; vLLM's parser for the same family (vLLM in
 ``.venv-vllm``, with a tokenizer built offline: the tiny test model's BPE
-plus the family's special tokens) runs in a worker subprocess. Both get the
-tools' schemas. The two are timed in turns, round after round (each side
+plus the family's tool-call tokens, special or not as in the family's own
+tokenizer) runs in a worker subprocess, set up as vLLM's OpenAI server sets
+it up for a non-streaming chat completion with ``--enable-auto-tool-choice
+--tool-call-parser NAME``: the parser class the server composes, built with
+the request's tools and chat-template arguments, the request passed through
+its ``adjust_request`` first, the reply as the detokenizer would hand it
+(special tokens dropped unless ``adjust_request`` turned
+``skip_special_tokens`` off), and the worker's startup heap frozen for the
+garbage collector, as the server freezes its own before serving. Both get
+the tools' schemas. The two are timed in turns, round after round (each side
 parsing the reply again and again for at least ``--seconds``), and each
 side's best round is kept. Before timing, both parsers' calls are compared
 (names and decoded arguments). vLLM parses gpt-oss replies from token ids
@@ -50,17 +58,13 @@ VLLM_PARSER = {
     "qwen3_coder": "qwen3_coder",
     "harmony": "openai",
 }
+# Tool-call tokens the family's tokenizer marks special: vLLM's detokenizer drops them from
+# the text unless the parser's adjust_request sets skip_special_tokens=False.
 SPECIAL_TOKENS = {
     "hermes": ["<tool_call>", "</tool_call>"],
     "llama3": ["<|python_tag|>"],
     "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"],
-    "deepseek": [
-        "<\uff5ctool\u2581calls\u2581begin\uff5c>",
-        "<\uff5ctool\u2581calls\u2581end\uff5c>",
-        "<\uff5ctool\u2581call\u2581begin\uff5c>",
-        "<\uff5ctool\u2581call\u2581end\uff5c>",
-        "<\uff5ctool\u2581sep\uff5c>",
-    ],
+    "deepseek": [],
     "glm45": [
         "<tool_call>",
         "</tool_call>",
@@ -78,6 +82,17 @@ SPECIAL_TOKENS = {
     ],
     "qwen3_coder": ["<tool_call>", "</tool_call>"],
     "harmony": [],
+}
+# Tool-call tokens the family's tokenizer adds as plain (not special) tokens: DeepSeek-V3's,
+# which its parser reads from text while skip_special_tokens stays on.
+PLAIN_TOKENS = {
+    "deepseek": [
+        "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+        "<\uff5ctool\u2581calls\u2581end\uff5c>",
+        "<\uff5ctool\u2581call\u2581begin\uff5c>",
+        "<\uff5ctool\u2581call\u2581end\uff5c>",
+        "<\uff5ctool\u2581sep\uff5c>",
+    ],
 }
 
 SCHEMA: dict[str, Any] = {
@@ -154,6 +169,7 @@ def _timed(run: Any, at_least: float) -> tuple[int, float]:
 def _worker() -> None:
     import contextlib
     import copy
+    import gc
     import io
     import logging
 
@@ -162,7 +178,8 @@ def _worker() -> None:
         from support.tiny_model import _train_tokenizer
         from transformers import PreTrainedTokenizerFast
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.tool_parsers import ToolParserManager
+        from vllm.parser import ParserManager
+        from vllm.utils.gc_utils import freeze_gc_heap
 
     base = PreTrainedTokenizerFast(
         tokenizer_object=_train_tokenizer(), eos_token="<|im_end|>", pad_token="<|endoftext|>"
@@ -173,49 +190,62 @@ def _worker() -> None:
         if message["cmd"] == "setup":
             fmt, text = message["format"], message["text"]
             tokenizer = copy.deepcopy(base)
+            if PLAIN_TOKENS.get(fmt):
+                tokenizer.add_tokens(PLAIN_TOKENS[fmt])
             if SPECIAL_TOKENS[fmt]:
                 tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[fmt]})
             request = ChatCompletionRequest(
                 model="bench", messages=[{"role": "user", "content": "hi"}], tools=TOOLS
             )
+            # As the server: the parser class it composes for --tool-call-parser NAME
+            # --enable-auto-tool-choice (gpt-oss: HarmonyParser), built per request with the
+            # request's tools and chat-template arguments; adjust_request runs on the request
+            # (from a parser of its own) before generation.
+            parser_cls = ParserManager.get_parser(
+                tool_parser_name=VLLM_PARSER[fmt],
+                enable_auto_tools=True,
+                is_harmony=fmt == "harmony",
+                tokenizer=tokenizer,
+            )
+            assert parser_cls is not None
+            chat_kwargs = request.build_chat_params(None, "auto").chat_template_kwargs
+            parser_cls(tokenizer, request.tools, chat_template_kwargs=chat_kwargs).adjust_request(
+                request
+            )
+            parser = parser_cls(tokenizer, request.tools, chat_template_kwargs=chat_kwargs)
             if fmt == "harmony":
-                run = _harmony_runner(tokenizer, request, text)
+                run = _harmony_runner(parser, request, text)
             else:
-                parser = ToolParserManager.get_tool_parser(VLLM_PARSER[fmt])(
-                    tokenizer, request.tools
-                )
+                # The text the detokenizer hands the parser: without the special tokens,
+                # unless adjust_request turned skip_special_tokens off.
+                if request.skip_special_tokens:
+                    for token in tokenizer.all_special_tokens:
+                        text = text.replace(token, "")
 
                 def run(parser: Any = parser, request: Any = request, text: str = text) -> Any:
+                    # What the server's parse() calls for auto tool choice.
                     info = parser.extract_tool_calls(text, request)
                     return [(c.function.name, c.function.arguments) for c in info.tool_calls]
 
             state[fmt] = run
             answer: dict[str, Any] = {"calls": run()}
+            freeze_gc_heap()  # as the server does after startup (its lifespan hook)
         else:
             iterations, seconds = _timed(state[message["format"]], message["seconds"])
             answer = {"iterations": iterations, "seconds": seconds}
         print(json.dumps(answer), flush=True)
+    gc.unfreeze()  # let the interpreter's shutdown free the frozen heap (else nanobind warns)
 
 
-def _harmony_runner(tokenizer: Any, request: Any, text: str) -> Any:
+def _harmony_runner(parser: Any, request: Any, text: str) -> Any:
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
-    from vllm.parser.harmony import HarmonyParser
-    from vllm.tool_parsers import ToolParserManager
-
-    # What vLLM's parser manager does for a gpt-oss model with --tool-call-parser openai.
-    HarmonyParser.tool_parser_cls = ToolParserManager.get_tool_parser("openai")
 
     encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
     ids = encoding.encode(text, allowed_special="all")  # before timing: vLLM gets token ids
-    parser = HarmonyParser(tokenizer, request.tools)
 
     def run() -> Any:
-        # What a fresh request starts from (the parser keeps its stream's state).
-        parser._parser = None
-        parser._next_tool_call_index = 0
-        parser._num_processed_messages = 0
-        parser._current_message_tokens = []
-        _, _, calls = parser.parse("", request, model_output_token_ids=ids)
+        # As the server calls it; parse() ends with flush(), which resets the stream's state.
+        _, _, calls = parser.parse("", request, enable_auto_tools=True, model_output_token_ids=ids)
         return [(c.name, c.arguments) for c in calls or []]
 
     return run

@@ -248,6 +248,26 @@ def test_a_dead_server_fails_the_run(tmp_path: Path) -> None:
     assert leftover_workspaces(tmp_path / "workspaces") == []
 
 
+def test_call_format_names_a_text_format(tmp_path: Path) -> None:
+    from typing import get_args
+
+    from agent_backend.cli import app
+    from agent_backend.tools import TextFormat
+
+    help_text = " ".join(CliRunner().invoke(app, ["rollout", "--help"]).output.split())
+    for name in get_args(TextFormat):  # the help lists every format the tool layer reads
+        assert name in help_text
+    write_prompts(tmp_path / "prompts.jsonl", 1)
+
+    class Nowhere:
+        url = "http://127.0.0.1:9/v1"
+
+    done = run(command(Nowhere(), "m", tmp_path, "--call-format", "llama4"), tmp_path)  # type: ignore[arg-type]
+    assert done.returncode == 2
+    assert "--call-format 'llama4': one of hermes, llama3" in done.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_registered_in_the_main_command_line() -> None:
     from agent_backend.cli import app
 

@@ -210,20 +210,23 @@ class ChatTemplate:
     # -- completions ------------------------------------------------------------------------------
 
     def assistant_message(
-        self, completion_ids: Sequence[int]
+        self, completion_ids: Sequence[int], tools: object = None
     ) -> tuple[dict[str, Any], str, list[ToolCall]]:
         """``(message, prose, calls)`` of a sampled completion.
 
         The text is decoded with special tokens kept (``<tool_call>`` is often
         one), the end-of-turn token cut off; calls are located by the tool-call
-        layer in :attr:`call_format`. The message carries the prose and
+        layer in :attr:`call_format`. ``tools`` (the turn's, any form
+        :func:`~agent_backend.tools.tool_schemas` reads) types the bare-text values
+        of the formats that write them so (``glm45``, ``qwen3_coder``): ``007``
+        stays a string where the parameter is one. The message carries the prose and
         the calls in OpenAI form, so the recorded conversation reads like a chat
         endpoint's (the tokens, not the message, are what was sampled).
         """
         text = str(self.tokenizer.decode(list(completion_ids), skip_special_tokens=False))
         if text.endswith(self.end_of_turn):
             text = text[: -len(self.end_of_turn)]
-        prose, calls = from_text(text, format=self.call_format)
+        prose, calls = from_text(text, format=self.call_format, tools=tools or None)
         if not calls and self.call_format != "harmony":
             prose = text  # nothing was cut out (harmony's prose is its final channel)
         # As a chat endpoint with a tool parser answers: the prose, and the calls apart.

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, get_args
 
 import anyio
 import orjson
@@ -202,6 +202,15 @@ def rollout_command(
             "re-rendered; without it, chat completions."
         ),
     ] = None,
+    call_format: Annotated[
+        str | None,
+        typer.Option(
+            help="The text format the model writes tool calls in (hermes, llama3, mistral, "
+            "deepseek, glm45, kimi_k2, qwen3_coder or harmony), read where the server returns "
+            "no structured calls. Default: with --tokenizer, the one its chat template "
+            "writes; else hermes."
+        ),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar on stderr.")] = True,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
@@ -220,7 +229,7 @@ def rollout_command(
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool
     from agent_backend.rollout.tokens import open_policy
     from agent_backend.rollout.writers import JsonlWriter
-    from agent_backend.tools import ToolRegistry
+    from agent_backend.tools import TextFormat, ToolRegistry
 
     logging.basicConfig(
         level=log_level.upper(),
@@ -229,6 +238,8 @@ def rollout_command(
     )
     if reward and reward_command:
         _fail("give --reward or --reward-command, not both", 2)
+    if call_format is not None and call_format not in get_args(TextFormat):
+        _fail(f"--call-format {call_format!r}: one of {', '.join(get_args(TextFormat))}", 2)
     try:
         rows = load_prompts(prompts)
         registry = ToolRegistry.from_dir(tools_dir)
@@ -287,6 +298,8 @@ def rollout_command(
     }
     if tokenizer is not None:
         policy_options["tokenizer"] = tokenizer
+    if call_format is not None:
+        policy_options["call_format"] = call_format
 
     async def drive(rollouts: RolloutPool) -> None:
         outcome["pool"] = rollouts

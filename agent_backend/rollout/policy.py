@@ -38,8 +38,9 @@ not. Each attempt is bounded by a client-side timeout.
 
 Tool calls are located by the project's tool-call layer
 (:func:`~agent_backend.tools.parse_tool_calls`): structured ``tool_calls``
-from a server with a tool parser, or Hermes ``<tool_call>`` blocks in the
-text from one without.
+from a server with a tool parser, or, from one without (or a reply its parser
+left as text), the calls written in the text in the model family's own format
+(``call_format``: Hermes ``<tool_call>`` blocks unless told otherwise).
 
 This module must never return a turn whose logprobs are not finite or do not
 align with its completion ids, and never hide a missing field behind a default.
@@ -50,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypeAlias, Unpack, runtime_checkable
+from typing import Any, Protocol, TypeAlias, Unpack, get_args, runtime_checkable
 
 from agent_backend.rollout import defaults
 from agent_backend.rollout.logprobs import (
@@ -67,7 +68,7 @@ from agent_backend.rollout.server_client import (
     v1_url,
 )
 from agent_backend.rollout.servers import Sticky
-from agent_backend.tools import ToolCall, from_hermes, parse_tool_calls
+from agent_backend.tools import TextFormat, ToolCall, from_hermes, from_text, parse_tool_calls
 
 __all__ = [
     "AssistantTurn",
@@ -101,7 +102,7 @@ class AssistantTurn:
     message: dict[str, Any]
     """The assistant message to append to the conversation (OpenAI chat format)."""
     text: str
-    """The prose of the turn (Hermes ``<tool_call>`` blocks cut out)."""
+    """The prose of the turn (the tool calls written in its text cut out)."""
     tool_calls: tuple[ToolCall, ...]
     """The calls located in the turn, arguments raw (checked when dispatched)."""
     prompt_ids: list[int]
@@ -193,6 +194,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         *,
         non_finite: NonFinitePolicy = defaults.NON_FINITE,
         counters: NonFiniteCounters | None = None,
+        call_format: TextFormat | None = None,
         **options: Unpack[ServerOptions],
     ) -> None:
         """
@@ -200,6 +202,12 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             url: the server (``http://host:8000``, ``.../v1`` or the full endpoint).
             non_finite: what to do with a NaN/inf/null logprob: mask, drop or fail.
             counters: where non-finite logprobs are counted (shared with a pool).
+            call_format: the text format the model writes tool calls in
+                (:data:`~agent_backend.tools.TextFormat`), read from a reply without
+                structured ``tool_calls`` (a server without a tool parser for the model's
+                family); default ``"hermes"``. Given, requests also ask for
+                ``skip_special_tokens: false``: many families' call markers are special
+                tokens, which a server drops from the text otherwise.
             options: as :class:`~agent_backend.rollout.server_client.PolicyServerClient`
                 (``model``, ``temperature``, ``max_tokens``, ``timeout``, ``max_retries`` ...);
                 ``top_logprobs`` must be at least 1 (some engines answer no logprobs at all
@@ -213,6 +221,10 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             )
         self.non_finite: NonFinitePolicy = non_finite
         self.counters = counters if counters is not None else NonFiniteCounters()
+        if call_format is not None and call_format not in get_args(TextFormat):
+            raise ValueError(f"unknown call_format {call_format!r}: one of {get_args(TextFormat)}")
+        self.call_format: TextFormat = call_format or "hermes"
+        self._keep_special_tokens = call_format is not None
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -230,6 +242,8 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         }
         if tools:
             body["tools"] = list(tools)
+        if self._keep_special_tokens:  # the call's markers, to read them in call_format
+            body["skip_special_tokens"] = False
         return self._sampling(body, max_tokens)
 
     async def generate(
@@ -244,7 +258,7 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         ``sticky`` keeps the turns of one episode on one server (:meth:`for_episode`)."""
         return await self._request(
             functools.partial(self.request_body, messages, tools, max_tokens=max_tokens),
-            self._turn,
+            functools.partial(self._turn, tools=tools),
             sticky,
         )
 
@@ -252,7 +266,9 @@ class OpenAICompatiblePolicy(PolicyServerClient):
         """This policy for one episode: its turns stay on one server while it is up."""
         return EpisodeChat(self)
 
-    def _turn(self, data: Any, versions: tuple[int, int]) -> AssistantTurn:
+    def _turn(
+        self, data: Any, versions: tuple[int, int], *, tools: ToolSpecs = ()
+    ) -> AssistantTurn:
         if not isinstance(data, dict):
             raise self._unusable("a JSON object")
         choice = self._first_choice(data)
@@ -275,15 +291,30 @@ class OpenAICompatiblePolicy(PolicyServerClient):
             message["tool_calls"] = raw_calls
         elif content is None:
             message["content"] = ""
-        text = from_hermes(content)[0] if content and "<tool_call>" in content else content or ""
+        calls: list[ToolCall]
+        if raw_calls or self.call_format == "hermes":
+            text = from_hermes(content)[0] if content and "<tool_call>" in content else content
+            calls = parse_tool_calls(message)
+        else:
+            # The message goes back as the server returned it (the template renders the text
+            # as it was sampled); the calls are read from the text in the model's format.
+            text, calls = from_text(content or "", format=self.call_format, tools=tools or None)
+            if not calls and self.call_format != "harmony":
+                text = content  # nothing was cut out (harmony's prose is its final channel)
         check = check_logprobs(
             [entry.get("logprob") if isinstance(entry, dict) else None for entry in entries],
             policy=self.non_finite,
             counters=self.counters,
         )
-        calls, finish = parse_tool_calls(message), choice.get("finish_reason")
         return AssistantTurn.sampled(
-            message, text, calls, prompt_ids, completion_ids, check, finish, versions
+            message,
+            text or "",
+            calls,
+            prompt_ids,
+            completion_ids,
+            check,
+            choice.get("finish_reason"),
+            versions,
         )
 
     def _prompt_ids(self, data: dict[str, Any], choice: dict[str, Any]) -> list[int]:

@@ -182,7 +182,7 @@ class EpisodeTokens:
         check = check_logprobs(
             list(sampled.logprobs), policy=policy.non_finite, counters=policy.counters
         )
-        message, prose, calls = policy.template.assistant_message(ids)
+        message, prose, calls = policy.template.assistant_message(ids, tools)
         self._context = prompt + ids
         self._seen = len(messages)
         self._last = message
@@ -281,8 +281,8 @@ async def open_policy(
     keyword arguments (``url``, ``model``, ``temperature`` ...): chat completions.
     With ``tokenizer`` (a local folder or an installed model name, loaded with
     transformers) they describe a token-in/token-out :class:`TokenPolicy` over
-    :class:`VLLMTokenSampler` instead; ``chat_template_kwargs`` then go to the
-    template. What ``agent-backend rollout --tokenizer`` and Ray rollout workers use.
+    :class:`VLLMTokenSampler` instead; ``chat_template_kwargs`` and ``call_format`` then
+    go to the template (without ``call_format``, the one its chat template writes). What ``agent-backend rollout --tokenizer`` and Ray rollout workers use.
     """
     given = dict(options)
     tokenizer = given.pop("tokenizer", None)
@@ -292,9 +292,13 @@ async def open_policy(
         return
     non_finite: NonFinitePolicy = given.pop("non_finite", defaults.NON_FINITE)
     template_kwargs = given.pop("chat_template_kwargs", None)
+    call_format = given.pop("call_format", None)  # None: the template's own (detected)
     template = await anyio.to_thread.run_sync(
         functools.partial(
-            ChatTemplate.from_pretrained, str(tokenizer), chat_template_kwargs=template_kwargs
+            ChatTemplate.from_pretrained,
+            str(tokenizer),
+            chat_template_kwargs=template_kwargs,
+            call_format=call_format,
         )
     )
     async with VLLMTokenSampler(**given) as sampler:

@@ -22,15 +22,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stddef.h>
+#include <structmember.h>
 
-/* JSON types as bits; "integer" is T_INT alone (a float that is whole is "not sure"). */
-#define T_NULL 1u
-#define T_BOOL 2u
-#define T_INT 4u
-#define T_FLOAT 8u
-#define T_STR 16u
-#define T_ARRAY 32u
-#define T_OBJECT 64u
+/* JSON types as bits (J_: structmember.h has T_ names); "integer" is J_INT alone (a float that is whole is "not sure"). */
+#define J_NULL 1u
+#define J_BOOL 2u
+#define J_INT 4u
+#define J_FLOAT 8u
+#define J_STR 16u
+#define J_ARRAY 32u
+#define J_OBJECT 64u
 
 /* Enum flags: which of true, false and null are members. */
 #define E_TRUE 1u
@@ -121,13 +122,13 @@ static int
 sure_member(QuickNode *node, PyObject *value, unsigned type)
 {
     switch (type) {
-    case T_STR:
+    case J_STR:
         return in_set(node->enum_strs, value);
-    case T_INT:
+    case J_INT:
         return in_set(node->enum_ints, value);
-    case T_BOOL:
+    case J_BOOL:
         return (node->enum_flags & (value == Py_True ? E_TRUE : E_FALSE)) != 0;
-    case T_NULL:
+    case J_NULL:
         return (node->enum_flags & E_NULL) != 0;
     default:
         return 0; /* floats and containers: the validator compares them */
@@ -199,19 +200,19 @@ sure(QuickNode *node, PyObject *value)
     PyTypeObject *t = Py_TYPE(value);
     unsigned type;
     if (t == &PyUnicode_Type)
-        type = T_STR;
+        type = J_STR;
     else if (t == &PyLong_Type)
-        type = T_INT;
+        type = J_INT;
     else if (t == &PyDict_Type)
-        type = T_OBJECT;
+        type = J_OBJECT;
     else if (t == &PyList_Type)
-        type = T_ARRAY;
+        type = J_ARRAY;
     else if (t == &PyFloat_Type)
-        type = T_FLOAT;
+        type = J_FLOAT;
     else if (t == &PyBool_Type)
-        type = T_BOOL;
+        type = J_BOOL;
     else if (value == Py_None)
-        type = T_NULL;
+        type = J_NULL;
     else
         return 0;
     if (!(node->types & type))
@@ -219,21 +220,21 @@ sure(QuickNode *node, PyObject *value)
     if (node->has_enum && !sure_member(node, value, type))
         return 0;
     switch (type) {
-    case T_STR:
+    case J_STR:
         if (!within(PyUnicode_GET_LENGTH(value), node->min_length, node->max_length))
             return 0;
         break;
-    case T_INT:
-    case T_FLOAT:
+    case J_INT:
+    case J_FLOAT:
         if (!holds(value, node->minimum, Py_GE) || !holds(value, node->maximum, Py_LE) ||
             !holds(value, node->ex_minimum, Py_GT) || !holds(value, node->ex_maximum, Py_LT))
             return 0;
         break;
-    case T_OBJECT:
+    case J_OBJECT:
         if (!sure_object(node, value))
             return 0;
         break;
-    case T_ARRAY:
+    case J_ARRAY:
         if (!sure_array(node, value))
             return 0;
         break;
@@ -464,22 +465,11 @@ quick_valid_clear(PyObject *op)
     return 0;
 }
 
-static PyObject *
-quick_valid_get_root(PyObject *op, void *Py_UNUSED(closure))
-{
-    return Py_NewRef(((QuickValid *)op)->root);
-}
-
-static PyObject *
-quick_valid_get_fallback(PyObject *op, void *Py_UNUSED(closure))
-{
-    return Py_NewRef(((QuickValid *)op)->fallback);
-}
-
-static PyGetSetDef quick_valid_getset[] = {
-    {"root", quick_valid_get_root, NULL, "The root QuickNode.", NULL},
-    {"fallback", quick_valid_get_fallback, NULL, "The validator that decides otherwise.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
+static PyMemberDef quick_valid_members[] = {
+    {"root", T_OBJECT_EX, offsetof(QuickValid, root), READONLY, "The root QuickNode."},
+    {"fallback", T_OBJECT_EX, offsetof(QuickValid, fallback), READONLY,
+     "The validator that decides otherwise."},
+    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject QuickValidType = {
@@ -496,7 +486,7 @@ static PyTypeObject QuickValidType = {
     .tp_clear = quick_valid_clear,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(QuickValid, vectorcall),
-    .tp_getset = quick_valid_getset,
+    .tp_members = quick_valid_members,
 };
 
 int

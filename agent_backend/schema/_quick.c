@@ -24,7 +24,8 @@
 #include <stddef.h>
 #include <structmember.h>
 
-/* JSON types as bits (J_: structmember.h has T_ names); "integer" is J_INT alone (a float that is whole is "not sure"). */
+/* JSON types as bits (J_: structmember.h has the T_ names). "integer" is J_INT alone: a
+ * float that is whole is "not sure". */
 #define J_NULL 1u
 #define J_BOOL 2u
 #define J_INT 4u

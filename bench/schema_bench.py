@@ -204,7 +204,7 @@ def fast_path_parts(
         rs_is_valid = jsonschema_rs.validator_for(schema).is_valid
         compiled = compile_schema(schema)
         # What the fast path validates with: the quick check (C), jsonschema-rs where unsure.
-        checked = quick_valid(compiled.resolved, compiled.dialect, rs_is_valid)
+        checked = quick_valid(schema, compiled.resolved, compiled.dialect, rs_is_valid)
         timings = measure(
             {
                 "prepare_arguments (valid dict)": lambda: prepare_arguments(schema, args),  # noqa: B023

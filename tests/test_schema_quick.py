@@ -10,7 +10,9 @@ agree with the validator exactly, so it is not a check that only ever says "not 
 from __future__ import annotations
 
 import gc
+import os
 import random
+import subprocess
 import sys
 from typing import Any
 
@@ -22,7 +24,7 @@ from support import jsts_suite
 from support.realworld import bfcl_cases, corrupt, realworld_missing_reason
 from support.schema_strategies import fuzz_arguments, fuzz_schemas, make_arguments, make_schema
 
-from agent_backend.errors import SchemaError
+from agent_backend.errors import SchemaError, ToolArgumentError
 from agent_backend.schema import compile_schema, prepare_arguments
 from agent_backend.schema.plain import ACCELERATED, QuickNode, QuickValid, plain_copy
 from agent_backend.schema.quick import MAX_DEPTH, MAX_NODES, quick_valid
@@ -43,7 +45,7 @@ def _fallback(value: Any) -> str:
 def quick_of(schema: Any) -> Any:
     """The schema's quick check with a fallback that says UNSURE: True means surely valid."""
     resolution = resolve_schema(schema)
-    return quick_valid(resolution.schema, resolution.dialect, _fallback)
+    return quick_valid(schema, resolution.schema, resolution.dialect, _fallback)
 
 
 def sure(schema: Any, value: Any) -> bool:
@@ -239,6 +241,144 @@ def test_an_unknown_meta_schema_gets_no_quick_check() -> None:
     assert compiled.prepare({"a": 1}) == {"a": 1}
 
 
+D7 = "http://json-schema.org/draft-07/schema#"
+D2020 = "https://json-schema.org/draft/2020-12/schema"
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        # A subschema in another draft: jsonschema-rs asserts its format (draft 7) ...
+        (
+            {"type": "object", "properties": {"email": {"$schema": D7, "format": "email"}}},
+            {"email": "not-an-email"},
+        ),
+        # ... and applies the siblings of its $ref (2019-09 on), which draft 7 ignores.
+        (
+            {
+                "$schema": D7,
+                "properties": {
+                    "a": {
+                        "$id": "http://e/a",
+                        "$schema": D2020,
+                        "$defs": {"s": {"type": "string"}},
+                        "properties": {"b": {"$ref": "#/$defs/s", "maxLength": 2}},
+                    }
+                },
+            },
+            {"a": {"b": "abcdef"}},
+        ),
+        # jsonschema-rs's is_valid refuses a value that has a property listed twice in
+        # required (where no meta-schema check saw the duplicate).
+        (
+            {
+                "type": "object",
+                "allOf": [{"$ref": "#/x-shared/s"}],
+                "x-shared": {"s": {"required": ["a", "a"]}},
+            },
+            {"a": 1},
+        ),
+    ],
+)
+def test_what_only_the_validator_can_say_is_left_to_it(schema: Any, value: Any) -> None:
+    """Found by review: each was "surely valid" to the quick check, invalid to jsonschema-rs."""
+    assert not rs_valid(schema, value)
+    assert not sure(schema, value)
+    compiled = compile_schema(schema)
+    try:
+        out = compiled.prepare(value)
+    except ToolArgumentError:
+        return
+    assert compiled.is_valid(out)
+
+
+_HASH_EMPTIES_THE_DICT = """
+from agent_backend.schema.quick import quick_valid
+from agent_backend.schema.refs import resolve_schema
+
+schema = {
+    "properties": {"a": {}},
+    "additionalProperties": {"type": "array", "items": {"type": "array"}},
+}
+resolution = resolve_schema(schema)
+check = quick_valid(schema, resolution.schema, resolution.dialect, lambda value: "unsure")
+armed = []
+
+class Key(str):
+    __slots__ = ()
+
+    def __hash__(self):
+        if armed:
+            armed.pop().clear()
+        return str.__hash__(self)
+
+    def __eq__(self, other):
+        return str.__eq__(self, other)
+
+for _ in range(200):
+    value = {"a": 1, Key("zz"): [[i, i + 1] for i in range(50)]}
+    armed.append(value)
+    assert check(value) in (True, "unsure")
+    junk = [[object()] * 7 for _ in range(100)]
+print("ok")
+"""
+
+
+def test_keys_whose_hash_changes_the_dict_are_read_safely() -> None:
+    """Called directly (the fast path passes its plain copy only), a str subclass whose
+    __hash__ empties the dict being checked must not make the check read freed items.
+    CPython's debug allocator fills freed memory, so such a read crashes at once."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HASH_EMPTIES_THE_DICT],
+        env={**os.environ, "PYTHONMALLOC": "debug"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]
+
+
+def test_nodes_nest_at_most_256_levels() -> None:
+    node = quick_of({"type": "array"}).root  # one level
+    for _ in range(255):  # up to 256 levels
+        node = _wrap_items(node)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        _wrap_items(node)
+
+
+def _wrap_items(node: Any) -> Any:
+    """A node whose items are ``node`` (the constructor's fields, as quick.py passes them)."""
+    assert QuickNode is not None
+    return QuickNode(
+        False,
+        127,
+        (),
+        (),
+        b"",
+        (),
+        frozenset(),
+        None,
+        node,
+        False,
+        frozenset(),
+        frozenset(),
+        0,
+        None,
+        None,
+        None,
+        None,
+        0,
+        -1,
+        0,
+        -1,
+        0,
+        -1,
+        None,
+        None,
+    )
+
+
 def test_prepare_answers_as_before_and_returns_a_copy() -> None:
     out = prepare_arguments(ORDER, ORDER_ARGS)
     assert out == ORDER_ARGS
@@ -338,7 +478,7 @@ def test_never_looser_on_the_json_schema_test_suite() -> None:
             continue
         if resolution.external_refs:
             continue
-        check = quick_valid(resolution.schema, resolution.dialect, _fallback)
+        check = quick_valid(case.schema, resolution.schema, resolution.dialect, _fallback)
         for test in case.tests:
             checked += 1
             if check(test["data"]) is True:

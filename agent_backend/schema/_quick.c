@@ -16,8 +16,12 @@
  * the JSON Schema test suite and the BFCL schemas.
  *
  * ``value`` is the fast path's checked copy (plain_copy): exact dict/list/str/int/float/
- * bool/None, exact str keys, so lookups compare strings in C and no Python code runs. The
- * recursion follows the schema, whose depth quick.py bounds (MAX_DEPTH levels).
+ * bool/None, exact str keys, so lookups compare strings in C and no Python code runs. Called
+ * directly with anything else (a str subclass whose __hash__ or __eq__ changes the dict), it
+ * falls back or answers, and never reads what was freed: each item is held while it is read.
+ * The recursion follows the schema: a node nests at most QUICK_MAX_HEIGHT levels of nodes
+ * (the constructor refuses more; quick.py builds at most MAX_DEPTH), which also bounds the
+ * C stack of a check and of a deallocation.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -39,11 +43,15 @@
 #define E_FALSE 2u
 #define E_NULL 4u
 
+/* The most levels of nodes one node may hold (the C recursion of a check and a dealloc). */
+#define QUICK_MAX_HEIGHT 256
+
 /* 2**53: integers beyond it are compared with a float bound only by the validator. */
 #define EXACT_DOUBLE_INT 9007199254740992LL
 
 typedef struct QuickNode {
     PyObject_HEAD
+    int height;        /* levels of nodes, this one included */
     int trivial;       /* accepts everything: no keyword to check */
     unsigned types;    /* the JSON types surely accepted (before other keywords) */
     /* object */
@@ -70,6 +78,16 @@ typedef struct QuickNode {
 static PyTypeObject QuickNodeType;
 
 static int sure(QuickNode *node, PyObject *value);
+
+/* sure() of an item borrowed from a container, held while it is read. */
+static int
+sure_item(PyObject *node, PyObject *item)
+{
+    Py_INCREF(item);
+    int result = sure((QuickNode *)node, item);
+    Py_DECREF(item);
+    return result;
+}
 
 /* Whether an int is beyond 2**53 in magnitude (then a float bound is not compared here). */
 static int
@@ -155,7 +173,7 @@ sure_object(QuickNode *node, PyObject *value)
             continue;
         }
         found++;
-        if (!sure((QuickNode *)PyTuple_GET_ITEM(node->nodes, i), item))
+        if (!sure_item(PyTuple_GET_ITEM(node->nodes, i), item))
             return 0;
     }
     count = PyTuple_GET_SIZE(node->others);
@@ -171,13 +189,16 @@ sure_object(QuickNode *node, PyObject *value)
         return 1;
     Py_ssize_t pos = 0;
     PyObject *key, *item;
-    while (PyDict_Next(value, &pos, &key, &item)) {
-        if (in_set(node->known, key))
-            continue;
-        if (node->extra == Py_False || !sure((QuickNode *)node->extra, item))
-            return 0;
+    int ok = 1;
+    while (ok && PyDict_Next(value, &pos, &key, &item)) {
+        Py_INCREF(key);
+        Py_INCREF(item);
+        if (!in_set(node->known, key))
+            ok = node->extra != Py_False && sure((QuickNode *)node->extra, item);
+        Py_DECREF(item);
+        Py_DECREF(key);
     }
-    return 1;
+    return ok;
 }
 
 static int
@@ -187,8 +208,8 @@ sure_array(QuickNode *node, PyObject *value)
     if (!within(count, node->min_items, node->max_items))
         return 0;
     if (node->items != Py_None)
-        for (i = 0; i < count; i++)
-            if (!sure((QuickNode *)node->items, PyList_GET_ITEM(value, i)))
+        for (i = 0; i < PyList_GET_SIZE(value); i++)
+            if (!sure_item(node->items, PyList_GET_ITEM(value, i)))
                 return 0;
     return 1;
 }
@@ -258,17 +279,22 @@ sure(QuickNode *node, PyObject *value)
 
 /* -- QuickNode construction ---------------------------------------------------------------- */
 
+/* Checks that ``tuple`` (or None) holds nodes only; ``*height`` becomes at least theirs. */
 static int
-node_tuple(PyObject *tuple, const char *what)
+node_tuple(PyObject *tuple, const char *what, int *height)
 {
     if (tuple == Py_None)
         return 0;
     Py_ssize_t i;
-    for (i = 0; i < PyTuple_GET_SIZE(tuple); i++)
-        if (Py_TYPE(PyTuple_GET_ITEM(tuple, i)) != &QuickNodeType) {
+    for (i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        PyObject *item = PyTuple_GET_ITEM(tuple, i);
+        if (Py_TYPE(item) != &QuickNodeType) {
             PyErr_Format(PyExc_TypeError, "QuickNode: %s holds a non-node", what);
             return -1;
         }
+        if (((QuickNode *)item)->height > *height)
+            *height = ((QuickNode *)item)->height;
+    }
     return 0;
 }
 
@@ -315,12 +341,22 @@ quick_node_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "QuickNode: fields of the wrong shape (see quick.py)");
         return NULL;
     }
-    if (node_tuple(nodes, "nodes") < 0 || node_tuple(any_of, "any_of") < 0 ||
-        node_tuple(all_of, "all_of") < 0)
+    int below = 0;
+    if (node_tuple(nodes, "nodes", &below) < 0 || node_tuple(any_of, "any_of", &below) < 0 ||
+        node_tuple(all_of, "all_of", &below) < 0)
         return NULL;
+    PyObject *single[2] = {extra, items};
+    for (i = 0; i < 2; i++)
+        if (Py_TYPE(single[i]) == &QuickNodeType && ((QuickNode *)single[i])->height > below)
+            below = ((QuickNode *)single[i])->height;
+    if (below >= QUICK_MAX_HEIGHT) {
+        PyErr_SetString(PyExc_ValueError, "QuickNode: nodes nested too deeply");
+        return NULL;
+    }
     QuickNode *self = (QuickNode *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
+    self->height = below + 1;
     self->trivial = trivial;
     self->types = types;
     self->names = Py_NewRef(names);

@@ -124,7 +124,7 @@ class CompiledSchema:
             fast_validator.is_valid,
             # The dict's copy holds no integer beyond 64 bits: the schema's own validator,
             # with the quick check in front (quick.py) where the C extension is built.
-            quick_valid(self.resolved, self.dialect, self._is_valid),
+            quick_valid(original, self.resolved, self.dialect, self._is_valid),
             max_bytes=limits.max_bytes,
             max_depth=limits.max_depth,
         )

@@ -27,6 +27,12 @@ exactly what the original accepts):
   ignores them; ``format`` is ignored where the draft makes it an annotation
   (2019-09 and later) and is "not sure" before it.
 
+A schema whose root names a meta-schema other than its dialect's, or with a
+``$schema`` anywhere below its root (a subschema the validator reads in
+another draft), gets no quick check; nor does a ``required`` that names a
+property twice make anything sure (jsonschema-rs's ``is_valid`` refuses what
+it lists once).
+
 Every other keyword the drafts define (``pattern``, ``oneOf``, ``not``,
 ``if``, ``uniqueItems``, ``multipleOf``, ``patternProperties``, a ``$ref``
 kept for recursion, ...) makes its node "not sure" for every value. Deeper
@@ -37,7 +43,7 @@ check at all. ``tests/test_schema_quick.py`` holds the check to the validator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from agent_backend.schema.dialect import Dialect
@@ -113,11 +119,17 @@ class _TooLarge(Exception):
 
 
 def quick_valid(
-    resolved: Any, dialect: Dialect, validator_is_valid: Callable[[Any], bool]
+    original: Any, resolved: Any, dialect: Dialect, validator_is_valid: Callable[[Any], bool]
 ) -> Callable[[Any], bool]:
     """``validator_is_valid`` with the quick check in front, where the C extension is built
-    and the schema has something to check quickly; else ``validator_is_valid`` itself."""
+    and the schema has something to check quickly; else ``validator_is_valid`` itself.
+
+    ``original`` is the schema as given, ``resolved`` and ``dialect`` its resolution
+    (``refs.resolve_schema``), from which the check is built.
+    """
     if QuickNode is None or QuickValid is None or not isinstance(resolved, dict):
+        return validator_is_valid
+    if _names_a_draft_below_its_root(original):
         return validator_is_valid
     declared = resolved.get("$schema")
     if declared is not None and (
@@ -133,6 +145,22 @@ def quick_valid(
         return validator_is_valid
     wrapped: Callable[[Any], bool] = QuickValid(root, validator_is_valid)
     return wrapped
+
+
+def _names_a_draft_below_its_root(schema: Any) -> bool:
+    """Whether a subschema names a ``$schema`` of its own. jsonschema-rs then reads that
+    subschema in that draft (``format`` asserts in draft 7, ``$ref`` siblings apply in
+    2019-09), which the resolved schema, in the root's draft, does not say."""
+    stack: list[Iterable[Any]] = [schema.values()] if isinstance(schema, dict) else []
+    while stack:
+        for node in stack.pop():
+            if isinstance(node, dict):
+                if "$schema" in node:
+                    return True
+                stack.append(node.values())
+            elif isinstance(node, list):
+                stack.append(node)
+    return False
 
 
 def _node(
@@ -286,6 +314,10 @@ class _Builder:
         if not isinstance(properties, dict) or not isinstance(required, list):
             raise _Undecided
         if any(type(name) is not str for name in (*properties, *required)):
+            raise _Undecided
+        if len(set(required)) != len(required):
+            # jsonschema-rs's is_valid refuses {"a": 1} for "required": ["a", "a"] (where a
+            # meta-schema check let the duplicate through); its verdict is the one that counts.
             raise _Undecided
         wanted = set(required)
         names = tuple(properties)

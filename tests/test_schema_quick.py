@@ -324,6 +324,24 @@ print("ok")
 """
 
 
+def test_a_subschema_that_cannot_compile_alone_never_fails_a_call() -> None:
+    """Found by review: a duplicate "required" behind a $ref from an unknown keyword passes
+    the meta-schema check where it stands, and failed to compile as a subschema of its own
+    when repair consulted it (SchemaError from prepare). jsonschema-rs's is_valid also
+    refuses {"a": 1} for it while its iter_errors names nothing: "0 problems" before."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"anyOf": [{"$ref": "#/x-shared/s"}, {"type": "integer"}]}},
+        "x-shared": {"s": {"type": "object", "required": ["a", "a"]}},
+    }
+    compiled = compile_schema(schema)
+    assert compiled.prepare({"x": "5"}) == {"x": 5}
+    with pytest.raises(ToolArgumentError) as refused:
+        compiled.prepare({"x": {"a": 1}})
+    assert refused.value.issues
+    assert "0 problems" not in str(refused.value)
+
+
 def test_keys_whose_hash_changes_the_dict_are_read_safely() -> None:
     """Called directly (the fast path passes its plain copy only), a str subclass whose
     __hash__ empties the dict being checked must not make the check read freed items.

@@ -41,7 +41,13 @@ from agent_backend.schema.parse import (
 from agent_backend.schema.plain import CachedPrepare, DictPrepare, big_float, plain_copy
 from agent_backend.schema.quick import quick_valid
 from agent_backend.schema.refs import resolve_schema
-from agent_backend.schema.validate import Validator, compile_validator, issues_of, pointer_of
+from agent_backend.schema.validate import (
+    Validator,
+    compile_validator,
+    issues_of,
+    pointer_of,
+    render_value,
+)
 
 __all__ = ["CompiledSchema", "compile_schema", "prepare_arguments"]
 
@@ -133,7 +139,7 @@ class CompiledSchema:
         ``prepare(arguments, tool=None, inject_defaults=False)``: a closure
         built once per schema (the hot path), falling back to the full pipeline.
         """
-        self._sub_validators: dict[int, tuple[Any, Validator]] = {}
+        self._sub_validators: dict[int, tuple[Any, Callable[[Any], bool]]] = {}
         self._validators_by_text: dict[bytes, Validator] = {}
         self._coercers = tuple(
             Coercer(
@@ -198,6 +204,17 @@ class CompiledSchema:
                 tool=tool,
             )
         issues = issues_of(self._validator, repaired, limit=self.limits.max_issues)
+        if not issues:
+            # jsonschema-rs's is_valid refused what its iter_errors finds nothing wrong with
+            # (a "required" that names a property twice): still a refusal the model can read.
+            issues = [
+                ArgumentIssue(
+                    "",
+                    "the arguments do not match the tool's schema",
+                    expected="arguments the schema accepts",
+                    got=render_value(repaired),
+                )
+            ]
         count = len(issues)
         noun = "problem" if count == 1 else "problems"
         more = "+" if count >= self.limits.max_issues else ""
@@ -220,12 +237,23 @@ class CompiledSchema:
 
     def _accepts_of(self, node: Any) -> Callable[[Any], bool]:
         """Whether ``node`` (a subschema of the resolved schema) accepts a value: its validator's
-        ``is_valid``, compiled on first use."""
+        ``is_valid``, compiled on first use.
+
+        A subschema that cannot be compiled on its own (``"required": ["a", "a"]`` reached
+        by a ``$ref`` from a place no meta-schema check looks at, now where one does) is
+        taken to accept nothing: repair then leaves it aside, and the schema's own validator
+        still decides. A call never raises ``SchemaError`` for a schema that loaded.
+        """
         entry = self._sub_validators.get(id(node))
         if entry is None:
-            entry = (node, self._validator_of(node))
+            accepts: Callable[[Any], bool]
+            try:
+                accepts = self._validator_of(node).is_valid
+            except SchemaError:
+                accepts = _accepts_nothing
+            entry = (node, accepts)
             self._sub_validators[id(node)] = entry
-        return entry[1].is_valid
+        return entry[1]
 
     def _validator_of(self, node: Any) -> Validator:
         """One validator per distinct subschema text: resolving copies a subschema to every
@@ -245,6 +273,10 @@ class CompiledSchema:
         if self.defs:
             wrapper[self.dialect.defs_keyword] = self.defs
         return compile_validator(wrapper, source=self.source)
+
+
+def _accepts_nothing(value: Any) -> bool:
+    return False
 
 
 class PrepareFn(Protocol):

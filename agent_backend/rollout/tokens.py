@@ -282,7 +282,8 @@ async def open_policy(
     With ``tokenizer`` (a local folder or an installed model name, loaded with
     transformers) they describe a token-in/token-out :class:`TokenPolicy` over
     :class:`VLLMTokenSampler` instead; ``chat_template_kwargs`` and ``call_format`` then
-    go to the template (without ``call_format``, the one its chat template writes). What ``agent-backend rollout --tokenizer`` and Ray rollout workers use.
+    go to the template (without ``call_format``, the one its chat template writes). What
+    ``agent-backend rollout --tokenizer`` and Ray rollout workers use.
     """
     given = dict(options)
     tokenizer = given.pop("tokenizer", None)

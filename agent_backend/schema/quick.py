@@ -279,34 +279,17 @@ class _Builder:
         return types
 
     def _members(self, schema: dict[str, Any], fields: dict[str, Any]) -> None:
-        members: list[Any] = []
-        if "enum" in schema:
-            if not isinstance(schema["enum"], list):
-                raise _Undecided
-            members.extend(schema["enum"])
-        strings: set[str] = set()
-        ints: set[int] = set()
-        flags = 0
-        for member in members:
-            _add_member(member, strings, ints)
-            flags |= _flag(member)
-        if "const" in schema:  # both present: a value must be a member and the constant
-            const = schema["const"]
-            const_strings: set[str] = set()
-            const_ints: set[int] = set()
-            _add_member(const, const_strings, const_ints)
-            if "enum" in schema:
-                strings &= const_strings
-                ints &= const_ints
-                flags &= _flag(const)
-            else:
-                strings, ints, flags = const_strings, const_ints, _flag(const)
-        fields.update(
-            has_enum=True,
-            enum_strs=frozenset(strings),
-            enum_ints=frozenset(ints),
-            enum_flags=flags,
-        )
+        """``enum`` and ``const``; with both, a value must be a member and the constant."""
+        if "enum" in schema and not isinstance(schema["enum"], list):
+            raise _Undecided
+        lists = [
+            schema[k] if k == "enum" else [schema[k]] for k in ("enum", "const") if k in schema
+        ]
+        strings, ints, flags = _member_sets(lists[0])
+        for members in lists[1:]:
+            more_strings, more_ints, more_flags = _member_sets(members)
+            strings, ints, flags = strings & more_strings, ints & more_ints, flags & more_flags
+        fields.update(has_enum=True, enum_strs=strings, enum_ints=ints, enum_flags=flags)
 
     def _object(self, schema: dict[str, Any], depth: int, fields: dict[str, Any]) -> None:
         properties = schema.get("properties", {})
@@ -338,21 +321,18 @@ class _Builder:
                     fields["extra"] = node
 
 
-def _add_member(member: Any, strings: set[str], ints: set[int]) -> None:
-    if type(member) is str:
-        strings.add(member)
-    elif type(member) is int:
-        ints.add(member)
-
-
-def _flag(member: Any) -> int:
-    if member is True:
-        return _TRUE
-    if member is False:
-        return _FALSE
-    if member is None:
-        return _NONE
-    return 0
+def _member_sets(members: list[Any]) -> tuple[frozenset[str], frozenset[int], int]:
+    """The string members, the integer members and the flags of true, false and null that a
+    node looks values up in (any other member is the validator's to compare)."""
+    flags = 0
+    for member, flag in ((True, _TRUE), (False, _FALSE), (None, _NONE)):
+        if any(m is member for m in members):
+            flags |= flag
+    return (
+        frozenset(m for m in members if type(m) is str),
+        frozenset(m for m in members if type(m) is int),
+        flags,
+    )
 
 
 def _bound(value: Any) -> int | float | None:

@@ -443,7 +443,8 @@ def pool_check_command(
         float, typer.Option(help="Seconds each host gets to answer.", min=0.1)
     ] = 10.0,
 ) -> None:
-    """Connect to every host (or actor) of a pool file, run `true` there, and report health.
+    """Connect to every host (or actor) of a pool file, run `true` there, and report health
+    and the guarantees in force (isolation, limits).
 
     Exit status 0 when every host answered, 1 when one did not, 3 for a bad file.
     """
@@ -476,11 +477,16 @@ def pool_check_command(
             )
             rows.append((host.name, "FAILED", took, detail))
 
+    walls: list[str] = []
+
     async def main() -> str:
         async with backend:
             async with anyio.create_task_group() as group:
                 for host in backend.hosts:
                     group.start_soon(probe, host)
+            guarantees = getattr(backend.statistics(), "guarantees", None)
+            if guarantees is not None:
+                walls.extend(guarantees.lines())
             return repr(backend)
 
     try:
@@ -496,6 +502,10 @@ def pool_check_command(
             + "  "
             + row[3]
         )
+    if walls:
+        typer.echo("guarantees:")
+        for line in walls:
+            typer.echo(f"  {line}")
     healthy = sum(1 for row in rows if row[1] == "ok")
     typer.echo(f"{healthy}/{len(rows)} hosts healthy; {summary}")
     raise typer.Exit(0 if rows and healthy == len(rows) else 1)

@@ -23,6 +23,7 @@ Two audiences, kept apart:
     │   └── PoolClosed               use after aclose()/stop()
     ├── BackendError                 the place a tool runs failed (backend, host, pool)
     │   ├── BackendUnavailable       cannot reach / start the backend
+    │   │   └── SandboxUnavailable   the walls a pool asks for cannot be had here (missing)
     │   ├── WorkerLost               the worker died mid-call
     │   ├── ToolTimeout              also a TimeoutError
     │   ├── ResourceUnavailable      no worker has the resources a call needs
@@ -82,6 +83,7 @@ __all__ = [
     "RequestTooLarge",
     "ResourceUnavailable",
     "RolloutError",
+    "SandboxUnavailable",
     "SchemaError",
     "SchemaRefError",
     "ServiceUnavailable",
@@ -327,6 +329,27 @@ class BackendError(AgentBackendError):
 
 class BackendUnavailable(BackendError):
     """The backend cannot be reached or started."""
+
+
+class SandboxUnavailable(BackendUnavailable):
+    """A pool asks for an isolation tier this host cannot enforce; it refuses to start.
+
+    ``missing`` names each thing lacking, with how to get it. There is no fallback to weaker
+    walls: running unconfined is a choice made in the pool file, never a consequence.
+    """
+
+    missing: tuple[str, ...]
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: tuple[str, ...] | list[str] = (),
+        backend: str | None = None,
+        host: str | None = None,
+    ) -> None:
+        super().__init__(message, backend=backend, host=host)
+        self.missing = tuple(missing)
 
 
 class WorkerLost(BackendError):

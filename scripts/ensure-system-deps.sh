@@ -7,6 +7,7 @@
 #   ensure-system-deps.sh test    OpenSSH's sshd for the SSH tests, iproute2 (ip, tc) and
 #                                 nftables for the SSH fleet tests (separate hosts in network
 #                                 namespaces; nft drops packets where the kernel has no netem);
+#                                 bubblewrap and setpriv for the sandbox tests;
 #                                 under CI=true a missing one that cannot be installed fails
 #                                 here, loudly
 set -euo pipefail
@@ -53,6 +54,9 @@ test_deps() {
     fi
   fi
   local net=()
+  # bubblewrap (bwrap) and util-linux's setpriv: the namespaces isolation tier (docs/sandboxes.md).
+  command -v bwrap >/dev/null 2>&1 || net+=(bubblewrap)
+  command -v setpriv >/dev/null 2>&1 || net+=(util-linux)
   command -v ip >/dev/null 2>&1 || net+=(iproute2)
   command -v tc >/dev/null 2>&1 || net+=(iproute2)
   command -v nft >/dev/null 2>&1 || net+=(nftables)
@@ -60,13 +64,13 @@ test_deps() {
     # shellcheck disable=SC2207 # package names have no spaces
     net=($(printf '%s\n' "${net[@]}" | sort -u))
     if can_apt; then
-      echo "installing ${net[*]} for the SSH fleet tests..."
+      echo "installing ${net[*]} for the SSH fleet and sandbox tests..."
       apt_install "${net[@]}"
     elif [ "${CI:-}" = "true" ]; then
-      echo "${net[*]} missing and cannot be installed (need root and apt-get); the SSH fleet tests require them" >&2
+      echo "${net[*]} missing and cannot be installed (need root and apt-get); the SSH fleet and sandbox tests require them" >&2
       exit 1
     else
-      echo "warning: ${net[*]} missing; SSH fleet tests will be skipped (run as root to install)" >&2
+      echo "warning: ${net[*]} missing; SSH fleet and sandbox tests will be skipped (run as root to install)" >&2
     fi
   fi
 }

@@ -58,6 +58,7 @@ ERROR_SAMPLES = [
     errors.LeaseError("stale token"),
     errors.PoolClosed("closed"),
     errors.BackendUnavailable("down", backend="ssh", host="h:22"),
+    errors.SandboxUnavailable("no walls", missing=["bubblewrap (apt-get install bubblewrap)"]),
     errors.WorkerLost("lost", worker="conn-1", cause="EOF", backend="ssh", host="h:22"),
     errors.ToolTimeout("slow", timeout=1.5, backend="local", host="local"),
     errors.ResourceUnavailable(

@@ -32,6 +32,7 @@ import anyio.to_thread
 
 from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_process import ChildProcess, spawn
+from agent_backend.backends.local_sandbox import SandboxChild, SandboxDied, SandboxProcess
 from agent_backend.backends.local_spawn import Spawner
 from agent_backend.dispatch.backend import Command, CommandResult, Output
 from agent_backend.dispatch.output import OutputBuffer
@@ -58,6 +59,7 @@ async def run_in_group(
     host: str,
     started: float,
     spawner: Spawner | None = None,
+    sandbox: SandboxProcess | None = None,
 ) -> CommandResult:
     """Run ``command`` in ``cwd`` until it exits or its time (counted from ``started``) is up.
 
@@ -66,8 +68,11 @@ async def run_in_group(
     started is a result (exit status 127 or 126, the reason on stderr); a
     machine out of processes or descriptors raises :class:`BackendUnavailable`.
     With a ``spawner``, the process is started in its thread (``local_spawn``).
+    With a ``sandbox``, the session's sandbox runs it (``local_sandbox``), ``cwd``
+    being a path there.
     """
     argv = _argv(command, config)
+    env = _environment(config, command.env)
     stdout = OutputBuffer(command.output_limit)
     stderr = OutputBuffer(command.output_limit)
     try:
@@ -75,15 +80,25 @@ async def run_in_group(
         # that is already running (and its pipes). It lands just below
         # instead, where the group is ended on the way out.
         with anyio.CancelScope(shield=True):
-            process = await spawn(
-                argv,
-                cwd=cwd,
-                env=_environment(config, command.env),
-                stdin=command.stdin is not None,
-                stdout=stdout,
-                stderr=stderr,
-                spawner=spawner,
-            )
+            process: ChildProcess | SandboxChild
+            if sandbox is not None:
+                assert cwd is not None
+                process = await sandbox.run(
+                    argv, cwd=cwd, env=env, stdin=command.stdin is not None,
+                    stdout=stdout, stderr=stderr,
+                )  # fmt: skip
+            else:
+                process = await spawn(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdin=command.stdin is not None,
+                    stdout=stdout,
+                    stderr=stderr,
+                    spawner=spawner,
+                )
+    except SandboxDied as exc:
+        return _failure(f"cannot run: {exc.strerror}", 126, started, host)
     except (OSError, ValueError) as exc:
         return _spawn_failure(exc, argv[0], cwd, started, host)
     timed_out = False
@@ -98,7 +113,10 @@ async def run_in_group(
         # let the pipes drain, bounded, and close them.
         with anyio.CancelScope(shield=True):
             try:
-                await _end_group(process, config.kill_grace)
+                if isinstance(process, SandboxChild):
+                    await _end_in_sandbox(process, config.kill_grace)
+                else:
+                    await _end_group(process, config.kill_grace)
                 # (Each wait only when there is something to wait for: a scope costs CPU.)
                 if not process.pipes_closed():
                     with anyio.move_on_after(DRAIN_SECONDS):
@@ -159,6 +177,10 @@ def _spawn_failure(
         message, status = f"{program}: {exc.strerror or exc}", 126
     else:
         message, status = f"cannot run {program}: {exc}", 126
+    return _failure(message, status, started, host)
+
+
+def _failure(message: str, status: int, started: float, host: str) -> CommandResult:
     data = message.encode()
     return CommandResult(
         exit_status=status,
@@ -194,6 +216,20 @@ async def _end_group(process: ChildProcess, kill_grace: float) -> None:
         return
     _signal_group(pgid, signal.SIGKILL)
     # SIGKILL cannot be caught; wait (bounded) only so the leader's status is known.
+    with anyio.move_on_after(1.0):
+        await process.wait_exit()
+
+
+async def _end_in_sandbox(process: SandboxChild, kill_grace: float) -> None:
+    """End a sandboxed command's group: SIGTERM, grace, SIGKILL, each sent by the agent, which
+    kills what the group (or the session, when no other call runs) left once the leader exits."""
+    if process.has_exited():
+        return
+    process.signal_group(signal.SIGTERM)
+    with anyio.move_on_after(kill_grace):
+        await process.wait_exit()
+        return
+    process.signal_group(signal.SIGKILL)
     with anyio.move_on_after(1.0):
         await process.wait_exit()
 

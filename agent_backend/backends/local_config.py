@@ -12,6 +12,7 @@ import pydantic
 
 from agent_backend.config import ConfigModel, ConfigPath
 from agent_backend.dispatch.spec import EnvName
+from agent_backend.sandbox import Isolation, SandboxLimits
 
 __all__ = ["LocalPoolConfig"]
 
@@ -52,3 +53,25 @@ class LocalPoolConfig(ConfigModel):
     spare_workspaces: int = pydantic.Field(default=64, ge=0, le=4096)
     """Empty workspaces kept made ahead, as many as were ever in use at once but at most this
     many, so that opening a session costs no disk operation. 0: each is made when asked for."""
+    isolation: Isolation = "none"
+    """The walls around every command (docs/sandboxes.md). ``namespaces``: each call in its own
+    PID, mount, network, IPC and UTS namespaces, as a uid of its session's own, within
+    ``limits``; the pool refuses to start where the host cannot enforce that. ``none``: as this
+    process's user, with nothing between a command and the host."""
+    limits: SandboxLimits = pydantic.Field(default_factory=SandboxLimits)
+    """Per-session limits under ``isolation = "namespaces"`` (``[limits]`` in a pool file)."""
+    sandbox_read_only: tuple[ConfigPath, ...] = ()
+    """More host paths every sandbox sees read-only at their own paths (a virtual environment,
+    a dataset), beside the system directories; only under ``isolation = "namespaces"``."""
+    sandbox_state_dir: ConfigPath = "/run/agent-backend"
+    """Where sandboxing backends on this host record what they own (their uids), so that one
+    that starts after another died removes what the dead one left (and nothing of a live one)."""
+
+    @pydantic.model_validator(mode="after")
+    def _walls_fit(self) -> LocalPoolConfig:
+        if self.isolation == "namespaces" and self.default_cwd is not None:
+            raise ValueError(
+                "default_cwd cannot be used with isolation = 'namespaces': commands outside a "
+                "session run in a private scratch directory of their own sandbox"
+            )
+        return self

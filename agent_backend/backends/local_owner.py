@@ -37,6 +37,8 @@ import secrets
 import shutil
 import stat
 
+from agent_backend.sandbox.registry import is_sandbox_uid
+
 __all__ = ["OwnerLock", "remove_tree", "sweep_dead_owners"]
 
 logger = logging.getLogger("agent_backend.backends.local")
@@ -168,7 +170,8 @@ def _sweep_owner(root: str, lock_name: str, directories: list[str]) -> list[str]
 
 def _remove_owned(path: str) -> bool:
     info = os.lstat(path)
-    if info.st_uid != os.getuid():
+    # A sandboxed workspace belongs to its session's own uid (isolation = "namespaces").
+    if info.st_uid != os.getuid() and not (os.getuid() == 0 and is_sandbox_uid(info.st_uid)):
         return False
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         os.unlink(path)

@@ -52,7 +52,7 @@ import anyio
 from agent_backend.backends.local_spawn import Spawned, Spawner
 from agent_backend.dispatch.output import OutputBuffer
 
-__all__ = ["ChildProcess", "pidfd_supported", "spawn"]
+__all__ = ["ChildProcess", "PipedChild", "pidfd_supported", "spawn"]
 
 logger = logging.getLogger("agent_backend.backends.local")
 
@@ -105,38 +105,34 @@ class ChildProcess(Protocol):
 # -- on Linux: a pidfd and non-blocking pipes on the event loop --------------------------------------
 
 
-class _PidfdChild:
-    """A child watched through its pidfd; its pipes are raw descriptors, all ours to close."""
+class PipedChild:
+    """A command's pipes on the event loop (raw non-blocking descriptors, all ours to close), and
+    the events its exit and their closing set. How the exit is learnt is the subclass's:
+    :meth:`_exit_known` records it; :meth:`_kill_unfinished` ends a leader still running."""
 
     def __init__(
         self,
-        spawned: Spawned,
+        pid: int,
         loop: asyncio.AbstractEventLoop,
+        pipes: tuple[int | None, int, int],
         stdout: OutputBuffer,
         stderr: OutputBuffer,
-        popen: subprocess.Popen[bytes] | None = None,
     ) -> None:
-        self.pid: int = spawned.pid
-        self._popen = popen
+        self.pid: int = pid
         self._loop = loop
         self._exited = anyio.Event()
         self._pipes_closed = anyio.Event()
-        self._reaped_elsewhere = False
         self._code: int | None = None
-        self._pidfd = spawned.pidfd
         self._readers: dict[int, OutputBuffer] = {}
-        self._stdin_fd = spawned.stdin
+        self._stdin_fd = pipes[0]
         self._stdin: memoryview | None = None
         self._writing = False
-        self._watching = False
         # Both pipes tracked before either is registered: a failure closes them both.
-        self._readers[spawned.stdout] = stdout
-        self._readers[spawned.stderr] = stderr
+        self._readers[pipes[1]] = stdout
+        self._readers[pipes[2]] = stderr
         try:
-            for fd in (spawned.stdout, spawned.stderr):
+            for fd in pipes[1:]:
                 loop.add_reader(fd, self._on_readable, fd)
-            loop.add_reader(self._pidfd, self._on_exit)
-            self._watching = True
         except BaseException:
             self.close()
             raise
@@ -163,6 +159,11 @@ class _PidfdChild:
         if not self._pipes_closed.is_set():
             await self._pipes_closed.wait()
 
+    def _exit_known(self, code: int | None) -> None:
+        if not self._exited.is_set():
+            self._code = code
+            self._exited.set()
+
     def _on_readable(self, fd: int) -> None:
         buffer = self._readers.get(fd)
         if buffer is None:
@@ -184,31 +185,6 @@ class _PidfdChild:
         os.close(fd)
         if not self._readers:
             self._pipes_closed.set()
-
-    def _on_exit(self) -> None:
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:  # someone else reaped it (a waitpid(-1) of other code)
-            pid, status = self.pid, -1
-            self._reaped_elsewhere = True
-        if pid == 0:  # not yet (a spurious wake-up)
-            return
-        self._loop.remove_reader(self._pidfd)
-        self._watching = False
-        self._close_pidfd()
-        if self._reaped_elsewhere:
-            logger.warning("pid %d was reaped by other code: its exit status is lost", self.pid)
-        else:
-            self._code = os.waitstatus_to_exitcode(status)
-        if self._popen is not None:
-            # Popen gets a returncode too: it must not poll (or warn about) a pid it no longer owns.
-            self._popen.returncode = self._code if self._code is not None else -1
-        self._exited.set()
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd >= 0:
-            os.close(self._pidfd)
-            self._pidfd = -1
 
     def feed_stdin(self, data: bytes) -> None:
         if self._stdin_fd is None or self._stdin is not None:
@@ -248,19 +224,77 @@ class _PidfdChild:
             self._close_reader(fd)
         self._pipes_closed.set()
         self._close_stdin()
-        if self._exited.is_set():
+        if not self._exited.is_set():
+            self._kill_unfinished()
+
+    def _kill_unfinished(self) -> None:
+        raise NotImplementedError
+
+
+class _PidfdChild(PipedChild):
+    """A child watched through its pidfd: readable when it exits, then reaped here."""
+
+    def __init__(
+        self,
+        spawned: Spawned,
+        loop: asyncio.AbstractEventLoop,
+        stdout: OutputBuffer,
+        stderr: OutputBuffer,
+        popen: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        self._popen = popen
+        self._pidfd = spawned.pidfd
+        self._watching = False
+        self._reaped_elsewhere = False
+        super().__init__(
+            spawned.pid, loop, (spawned.stdin, spawned.stdout, spawned.stderr), stdout, stderr
+        )
+        try:
+            loop.add_reader(self._pidfd, self._on_exit)
+            self._watching = True
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # someone else reaped it (a waitpid(-1) of other code)
+            pid, status = self.pid, -1
+            self._reaped_elsewhere = True
+        if pid == 0:  # not yet (a spurious wake-up)
             return
+        self._loop.remove_reader(self._pidfd)
+        self._watching = False
+        self._close_pidfd()
+        code = None
+        if self._reaped_elsewhere:
+            logger.warning("pid %d was reaped by other code: its exit status is lost", self.pid)
+        else:
+            code = os.waitstatus_to_exitcode(status)
+        if self._popen is not None:
+            # Popen gets a returncode too: it must not poll (or warn about) a pid it no longer owns.
+            self._popen.returncode = code if code is not None else -1
+        self._exit_known(code)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+    def _kill_unfinished(self) -> None:
         # Not reaped, so the pid is still ours to signal.
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         if not self._watching:  # failed before the pidfd was watched: reap it here
             self._close_pidfd()
+            code = None
             with contextlib.suppress(ChildProcessError):
                 _, status = os.waitpid(self.pid, 0)
-                self._code = os.waitstatus_to_exitcode(status)
+                code = os.waitstatus_to_exitcode(status)
             if self._popen is not None:
-                self._popen.returncode = self._code if self._code is not None else -1
-            self._exited.set()
+                self._popen.returncode = code if code is not None else -1
+            self._exit_known(code)
         # Otherwise the pidfd reader stays registered and reaps the leader when it dies.
 
 

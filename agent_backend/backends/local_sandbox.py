@@ -1,0 +1,329 @@
+"""A session's sandbox kept for its whole life: one bubblewrap and its agent, started once.
+
+The sandbox (``isolation = "namespaces"``, :mod:`agent_backend.sandbox`) is made
+when its workspace is, ahead of need for spares: the outer process (``sh``
+lowering limits, ``setpriv``, ``bwrap``) is started by a workspace thread that
+has moved into the sandbox's cgroups, so everything in it is born there. In it
+runs the agent (:mod:`agent_backend.sandbox.agent`), whose stdin is one end of
+a ``SOCK_SEQPACKET`` socket pair; this module holds the other end. A call then
+costs no spawn here: two pipes, one message with them attached, one reply with
+the pid, one with the exit status. The agent starts each command in a process
+group of its own, and kills what a command leaves once it is the session's
+only one to have run.
+
+Ending a sandbox is killing its outer process: bwrap's ``--die-with-parent``
+takes the sandbox's init with it, and the kernel the whole PID namespace; the
+backend then empties the cgroups (:meth:`CgroupTree.remove` freezes them first).
+A sandbox that dies on its own (its agent killed by the OOM killer) fails the
+calls in flight and is started again for the next one.
+
+This module must never block the event loop (a sandbox is started and stopped
+in a worker thread); its messages are read by an event-loop callback.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import dataclasses
+import importlib.resources
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from agent_backend.backends.local_process import PipedChild
+from agent_backend.dispatch.output import OutputBuffer
+
+__all__ = [
+    "AGENT_VARIABLE",
+    "SandboxChild",
+    "SandboxDied",
+    "SandboxProcess",
+    "agent_argv",
+    "agent_source",
+]
+
+logger = logging.getLogger("agent_backend.backends.local")
+
+_AGENT_SOURCE: str | None = None
+
+
+#: The variable that hands the agent its program (the sandbox cannot see this package's files);
+#: the agent takes it out of its environment before it starts anything.
+AGENT_VARIABLE = "AGENT_BACKEND_AGENT"
+
+
+def agent_argv(python: str) -> list[str]:
+    """The argv of the agent: ``python`` running the program in :data:`AGENT_VARIABLE`."""
+    return [python, "-I", "-S", "-c", f"import os; exec(os.environ.pop({AGENT_VARIABLE!r}))"]
+
+
+def agent_source() -> str:
+    """The agent's program (:mod:`agent_backend.sandbox.agent`), read once."""
+    global _AGENT_SOURCE
+    if _AGENT_SOURCE is None:
+        source = importlib.resources.files("agent_backend.sandbox").joinpath("agent.py")
+        _AGENT_SOURCE = source.read_text()
+    return _AGENT_SOURCE
+
+
+class SandboxDied(OSError):
+    """The sandbox's agent is gone (killed, or out of memory): no answer will come."""
+
+
+class SandboxChild(PipedChild):
+    """A command run by a sandbox's agent: its pipes are ours, its exit is the agent's message."""
+
+    def __init__(
+        self,
+        sandbox: SandboxProcess,
+        call: int,
+        loop: asyncio.AbstractEventLoop,
+        pipes: tuple[int | None, int, int],
+        stdout: OutputBuffer,
+        stderr: OutputBuffer,
+    ) -> None:
+        super().__init__(0, loop, pipes, stdout, stderr)
+        self.sandbox = sandbox
+        self.call = call
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the command's process group, inside the sandbox."""
+        if not self.has_exited():
+            self.sandbox.send({"op": "signal", "id": self.call, "signal": int(signum)})
+
+    def _kill_unfinished(self) -> None:
+        self.signal_group(signal.SIGKILL)
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    started: asyncio.Future[int]
+    child: SandboxChild | None = None
+    exited: bool = False
+    """The exit came before the caller took the start (both read in one go)."""
+    code: int | None = None
+
+
+class SandboxProcess:
+    """One session's sandbox: its outer process, and the socket to its agent.
+
+    Made by :meth:`start` in a worker thread; used on the event loop that
+    first calls :meth:`run`; :meth:`stop` (in a worker thread) ends it.
+    """
+
+    def __init__(self, popen: subprocess.Popen[bytes], control: socket.socket) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self._control = control
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._calls: dict[int, _Pending] = {}
+        self._next = 0
+        self._dead = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "dead" if self._dead else "alive"
+        return f"<SandboxProcess pid={self.pid} [calls: {len(self._calls)}] {state}>"
+
+    @classmethod
+    def start(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str,
+        born_in: Callable[[], contextlib.AbstractContextManager[None]],
+    ) -> SandboxProcess:
+        """Start the sandbox ``argv`` (its agent's stdin our socket), inside ``born_in()``: the
+        calling thread in the sandbox's cgroups for the spawn. Blocks: call from a thread."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            with born_in():
+                popen = subprocess.Popen(
+                    list(argv),
+                    stdin=theirs.fileno(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    cwd=cwd,
+                    env=dict(env),
+                    close_fds=True,
+                    process_group=0,
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        return cls(popen, ours)
+
+    def is_dead(self) -> bool:
+        return self._dead or self.popen.poll() is not None
+
+    def why_dead(self) -> str:
+        """What the outer process said on stderr (bubblewrap's reason), once it has exited."""
+        if self.popen.poll() is None or self.popen.stderr is None:
+            return ""
+        with contextlib.suppress(OSError, ValueError):
+            return self.popen.stderr.read(4096).decode(errors="replace").strip()
+        return ""
+
+    # -- on the event loop ------------------------------------------------------------------------
+
+    def _attach(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            loop.add_reader(self._control.fileno(), self._on_message)
+        elif self._loop is not loop:
+            raise RuntimeError("a sandbox is used from one event loop only")
+        return loop
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        cwd: str,
+        env: Mapping[str, str],
+        stdin: bool,
+        stdout: OutputBuffer,
+        stderr: OutputBuffer,
+    ) -> SandboxChild:
+        """Start ``argv`` in the sandbox; the running command. Raises :class:`OSError` as a spawn
+        would (the program or ``cwd`` missing), :class:`SandboxDied` when the agent is gone."""
+        if self.is_dead():
+            raise SandboxDied(0, "the session's sandbox is gone")
+        loop = self._attach()
+        ours: list[int] = []
+        theirs: list[int] = []
+        try:
+            if stdin:
+                read, write = os.pipe()
+                theirs.append(read)
+                ours.append(write)
+            for _ in range(2):
+                read, write = os.pipe()
+                ours.append(read)
+                theirs.append(write)
+            self._next += 1
+            call = self._next
+            pending = _Pending(loop.create_future())
+            self._calls[call] = pending
+            message = {"op": "run", "id": call, "argv": list(argv), "env": dict(env)}
+            message.update(cwd=cwd, stdin=stdin)
+            self.send(message, fds=theirs)
+        except BaseException:
+            for fd in ours:
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        try:
+            pid = await pending.started
+        except BaseException:
+            self._calls.pop(call, None)
+            for fd in ours:
+                os.close(fd)
+            raise
+        for fd in ours:
+            os.set_blocking(fd, False)
+        pipes = (ours[0], ours[1], ours[2]) if stdin else (None, ours[0], ours[1])
+        child = SandboxChild(self, call, loop, pipes, stdout, stderr)
+        child.pid = pid
+        pending.child = child
+        if pending.exited:
+            child._exit_known(pending.code)
+        return child
+
+    def send(self, message: dict[str, Any], *, fds: Sequence[int] = ()) -> None:
+        data = json.dumps(message).encode()
+        ancillary = (
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        )
+        try:
+            self._control.sendmsg([data], ancillary)
+        except BlockingIOError as exc:  # 200 KB of unread requests: the agent is stuck
+            raise SandboxDied(exc.errno, "the session's sandbox does not answer") from exc
+        except OSError as exc:
+            self._died()
+            raise SandboxDied(exc.errno, "the session's sandbox is gone") from exc
+
+    def _on_message(self) -> None:
+        try:
+            data = self._control.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._died()
+            return
+        try:
+            message = json.loads(data)
+            pending = self._calls.get(message.get("id"))
+        except (ValueError, AttributeError, TypeError):
+            # The agent shares its sandbox with what it runs: a message that is not its own
+            # means it is not itself any more. The sandbox is ended (and made again).
+            logger.warning("a sandbox's agent sent a malformed message; ending that sandbox")
+            self._died()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            return
+        if pending is None:
+            return
+        if "pid" in message:
+            if not pending.started.done():
+                pending.started.set_result(int(message["pid"]))
+        elif "errno" in message:
+            self._calls.pop(message["id"], None)
+            if not pending.started.done():
+                error = OSError(message["errno"], message["strerror"], message.get("filename"))
+                pending.started.set_exception(error)
+        elif "exit" in message:
+            self._calls.pop(message["id"], None)
+            pending.exited, pending.code = True, int(message["exit"])
+            if pending.child is not None:
+                pending.child._exit_known(pending.code)
+
+    def _died(self) -> None:
+        """The agent is gone: every call in flight ends with its status unknown."""
+        if self._dead:
+            return
+        self._dead = True
+        if self._loop is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._control.fileno())
+        calls, self._calls = self._calls, {}
+        for pending in calls.values():
+            pending.exited = True
+            if not pending.started.done():
+                pending.started.set_exception(SandboxDied(0, "the session's sandbox died"))
+            if pending.child is not None:
+                pending.child._exit_known(None)
+
+    def detach(self) -> None:
+        """Stop reading the socket: on the event loop, before :meth:`stop` in a thread (whose
+        close of the socket must not leave the loop watching a descriptor number reused)."""
+        loop, self._loop = self._loop, None
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(self._control.fileno())
+
+    def stop(self) -> None:
+        """Kill the sandbox (its outer process; the kernel takes the rest) and reap it. Blocks."""
+        self._dead = True
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.popen.wait()
+        if self.popen.stderr is not None:
+            self.popen.stderr.close()
+        self._control.close()

@@ -1,0 +1,208 @@
+"""The agent inside a session's sandbox: starts each command of the session, reports its exit.
+
+It runs as the sandbox's own uid, as the child of the sandbox's init (PID 2 of
+its PID namespace), started by the host's ``python3 -I -S -c SOURCE``: this
+file's text is its program, so it imports the standard library only and
+nothing of the host's (whose files the sandbox cannot see). Its stdin is a
+``SOCK_SEQPACKET`` socket to the backend; one message is one JSON object:
+
+* ``{"op": "run", "id", "argv", "env", "cwd", "stdin"}`` with the command's
+  pipes as ``SCM_RIGHTS`` (stdin's read end if asked for, stdout's and stderr's
+  write ends): the command is started in a process group of its own; answered
+  ``{"id", "pid"}``, or ``{"id", "errno", "strerror", "filename"}`` when it
+  cannot be started.
+* ``{"op": "signal", "id", "signal"}``: the signal to the command's group.
+* When a command's leader exits, its group is SIGKILLed, and when no other
+  command of the session runs, so is every process in the sandbox but the
+  init and this agent (``kill(-1)``): ``setsid`` and double forks included.
+  Then ``{"id", "exit"}`` (negative: the signal that ended it).
+
+End of file on the socket (the backend closed it, or died) ends the agent,
+and with it the sandbox: the init exits when its child does, and the kernel
+kills whatever is left in the PID namespace.
+
+This program must never run anything but what it is asked to, never keep a
+descriptor it was handed, and never outlive its socket.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+_MAX_MESSAGE = 1 << 20
+_MAX_FDS = 3
+
+
+def _send(control: socket.socket, message: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        control.send(json.dumps(message).encode())
+
+
+def _receive(control: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors it carried; None at end of file."""
+    fds = array.array("i")
+    data, ancillary, _flags, _address = control.recvmsg(
+        _MAX_MESSAGE, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+    )
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), list(fds)
+
+
+class Agent:
+    """The commands running in this sandbox, by the backend's call id."""
+
+    def __init__(self, control: socket.socket) -> None:
+        self.control = control
+        self.leaders: dict[int, int] = {}  # pid -> call id
+
+    def run(self, message: dict[str, Any], fds: list[int]) -> None:
+        call = message["id"]
+        try:
+            stdin = fds.pop(0) if message.get("stdin") else os.open(os.devnull, os.O_RDONLY)
+            fds.insert(0, stdin)
+            if len(fds) != 3:
+                raise OSError(0, "the command's pipes did not arrive")
+            env = {str(k): str(v) for k, v in message["env"].items()}
+            os.chdir(message["cwd"])
+            # posix_spawnp searches the PATH of this process: the command's own.
+            os.environ["PATH"] = env.get("PATH", os.defpath)
+            pid = os.posix_spawnp(
+                message["argv"][0],
+                message["argv"],
+                env,
+                file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)],
+                setpgroup=0,
+                setsigmask=(),
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
+            )
+        except OSError as exc:
+            filename = exc.filename if exc.filename is not None else message["argv"][0]
+            if exc.filename is None and not os.path.isdir(message.get("cwd", "/")):
+                filename = message.get("cwd")
+            _send(
+                self.control,
+                {"id": call, "errno": exc.errno, "strerror": exc.strerror, "filename": filename},
+            )
+            return
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.chdir("/")
+        self.leaders[pid] = call
+        _send(self.control, {"id": call, "pid": pid})
+
+    def signal(self, message: dict[str, Any]) -> None:
+        for pid, call in self.leaders.items():
+            if call == message["id"]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, int(message["signal"]))
+
+    def reap(self) -> None:
+        while self.leaders:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            call = self.leaders.pop(pid, None)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            if not self.leaders:
+                kill_everything_else()
+            if call is not None:
+                _send(self.control, {"id": call, "exit": os.waitstatus_to_exitcode(status)})
+
+
+def kill_everything_else() -> None:
+    """SIGKILL every process of this PID namespace but its init and this agent, and return once
+    they are dead (bounded): a process forking as it is killed is caught by a later round."""
+    for _ in range(2000):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        if not _others_alive():
+            return
+        time.sleep(0.001)
+
+
+def _others_alive() -> bool:
+    me = str(os.getpid())
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name in ("1", me):
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as file:
+                raw = file.read()
+        except OSError:
+            continue
+        if raw[raw.rfind(b")") + 2 : raw.rfind(b")") + 3] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+def _not_dumpable() -> None:
+    """No ptrace of this agent by the commands, though they share its uid (``PR_SET_DUMPABLE``
+    0; each command is dumpable again after its exec)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+
+
+def main() -> None:
+    _not_dumpable()
+    control = socket.socket(fileno=os.dup(0))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)  # the socket stays ours alone (close-on-exec), not the commands'
+    os.close(devnull)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    agent = Agent(control)
+    poller = select.poll()
+    poller.register(control, select.POLLIN)
+    poller.register(wake_read, select.POLLIN)
+    while True:
+        for fd, _events in poller.poll():
+            if fd == wake_read:
+                os.read(wake_read, 4096)
+                agent.reap()
+                continue
+            try:
+                message, fds = _receive(control)
+            except (OSError, ValueError):
+                message, fds = None, []
+            if message is None:
+                kill_everything_else()
+                sys.exit(0)
+            if message.get("op") == "run":
+                agent.run(message, fds)
+            else:
+                for extra in fds:
+                    os.close(extra)
+                if message.get("op") == "signal":
+                    agent.signal(message)
+        agent.reap()
+
+
+if __name__ == "__main__":
+    main()

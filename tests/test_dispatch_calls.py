@@ -406,16 +406,15 @@ class FakeHost(Host):
     async def remove_workspace(self, path: str) -> None:
         pass
 
-    async def realpath(self, path: str) -> str:
-        return path
-
-    async def read_file(self, path: str, *, limit: int) -> FileData:
+    async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
         raise WorkerLost("gone")
 
-    async def write_file(self, path: str, data: bytes) -> None:
+    async def write_file(
+        self, workspace: str, path: str, data: bytes, *, make_parents: bool = False
+    ) -> None:
         raise WorkerLost("gone")
 
-    async def list_dir(self, path: str) -> list[DirEntry]:
+    async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
         raise WorkerLost("gone")
 
     def calls_in_flight(self) -> int:

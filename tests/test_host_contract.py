@@ -6,7 +6,10 @@ What every :class:`~agent_backend.dispatch.backend.Host` must keep (its docstrin
 runs without a shell; stdin, env and cwd are what the call says; output is bounded, its
 head and tail kept; a timeout or a cancellation ends every process the call started;
 workspaces are private, real paths, removed with everything in them, and a path the host
-did not make is never removed; file operations report errors as the matching ``OSError``;
+did not make is never removed; file operations resolve their paths beneath the workspace
+with the host's kernel (a path that leaves it, even through a symlink, is refused; one that
+stays inside through a symlink works), refuse files with more than one hard link, return
+names raw, and report other errors as the matching ``OSError``;
 a host refuses calls before it starts and after it closes, and closing ends the calls in
 flight. What only one kind of host does (the local host's scratch directory and spawn
 paths, the SSH pool's connections and remote kills) is tested in that host's own files.
@@ -19,6 +22,7 @@ SSH variant skips, except under ``CI=true``, where it fails (tests/conftest.py).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import time
@@ -40,7 +44,7 @@ from support.sshd import SSHServer
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.dispatch.backend import Backend, Command
-from agent_backend.errors import PoolClosed, PoolError
+from agent_backend.errors import PathOutsideWorkspace, PoolClosed, PoolError
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -339,51 +343,163 @@ async def test_workspaces_are_private_real_paths_removed_with_their_contents(
     assert not await anyio.Path(other).exists()  # closing removed the one left behind
 
 
+def _odd_names(workspace: str) -> None:
+    Path(workspace, "odd\nname").write_bytes(b"")
+    os.close(os.open(os.fsencode(workspace) + b"/bad\xffbyte", os.O_CREAT | os.O_WRONLY))
+
+
 async def test_file_operations(target: Target) -> None:
     host = target.host
     with anyio.fail_after(20):
         workspace = await host.make_workspace()
-        await host.write_file(f"{workspace}/a.txt", b"first\x00version")
-        await host.write_file(f"{workspace}/a.txt", b"hello world")  # replaced
-        head = await host.read_file(f"{workspace}/a.txt", limit=5)
-        whole = await host.read_file(f"{workspace}/a.txt", limit=100)
+        await host.write_file(workspace, "a.txt", b"first\x00version")
+        await host.write_file(workspace, "a.txt", b"hello world")  # replaced
+        head = await host.read_file(workspace, "a.txt", limit=5)
+        whole = await host.read_file(workspace, "a.txt", limit=100)
         os.mkdir(f"{workspace}/sub")
+        through_parent = await host.read_file(workspace, "./sub/../a.txt", limit=100)
         os.symlink("/etc", f"{workspace}/link")
-        await host.write_file(f"{workspace}/sub/bin", b"\x00\xff\x00")
-        binary = await host.read_file(f"{workspace}/sub/bin", limit=10)
-        listed = await host.list_dir(workspace)
-        through_link = await host.realpath(f"{workspace}/link/x")
-        through_parent = await host.realpath(f"{workspace}/sub/../link/x")
+        await host.write_file(workspace, "sub/bin", b"\x00\xff\x00")
+        binary = await host.read_file(workspace, "sub/bin", limit=10)
+        # Names come back as the directory holds them: whoever shows them escapes them.
+        _odd_names(workspace)
+        listed = await host.list_dir(workspace, ".")
+        listed_sub = await host.list_dir(workspace, "sub")
         with pytest.raises(FileNotFoundError):
-            await host.read_file(f"{workspace}/nope", limit=10)
+            await host.read_file(workspace, "nope", limit=10)
         with pytest.raises(IsADirectoryError):
-            await host.read_file(f"{workspace}/sub", limit=10)
+            await host.read_file(workspace, "sub", limit=10)
+        with pytest.raises(IsADirectoryError):
+            await host.write_file(workspace, "sub/..", b"")
         with pytest.raises(FileNotFoundError):
-            await host.write_file(f"{workspace}/missing/x", b"")
+            await host.write_file(workspace, "missing/x", b"")
         with pytest.raises(NotADirectoryError):
-            await host.list_dir(f"{workspace}/a.txt")
+            await host.list_dir(workspace, "a.txt")
+        # Missing parents are made beneath the workspace, on request.
+        await host.write_file(workspace, "new/deeper/x.txt", b"made", make_parents=True)
     assert (head.data, head.size) == (b"hello", 11)
     assert (whole.data, whole.size) == (b"hello world", 11)
+    assert through_parent == whole
     assert (binary.data, binary.size) == (b"\x00\xff\x00", 3)
     assert [(e.name, e.kind, e.size) for e in listed] == [
         ("a.txt", "file", 11),
+        ("bad\udcffbyte", "file", 0),
         ("link", "symlink", 0),
+        ("odd\nname", "file", 0),
         ("sub", "dir", 0),
     ]
-    assert through_link == through_parent == "/etc/x"
+    assert [(e.name, e.kind, e.size) for e in listed_sub] == [("bin", "file", 3)]
+    assert await anyio.Path(workspace, "new", "deeper", "x.txt").read_bytes() == b"made"
+    assert not await anyio.Path(workspace, "missing").exists()
 
 
-async def test_relative_paths_are_refused(target: Target) -> None:
-    # A relative path would depend on the host's own working directory.
+LEAVING = [
+    "..",
+    "../x",
+    "sub/../../x",
+    "/etc/passwd",
+    "/",
+    "out/passwd",  # an absolute symlink out
+    "up/x",  # a relative symlink to the workspace's parent
+    "hop/../../x",  # through a symlinked directory, then up
+    "proc/self/root/etc/passwd",  # /proc, where magic links are
+]
+"""Paths that leave the workspace, given the tree :func:`_leaving_tree` makes."""
+
+
+def _leaving_tree(workspace: str) -> None:
+    os.mkdir(f"{workspace}/sub")
+    os.symlink("/etc", f"{workspace}/out")
+    os.symlink("..", f"{workspace}/up")
+    os.symlink("sub", f"{workspace}/hop")
+    os.symlink("/proc", f"{workspace}/proc")
+
+
+async def test_paths_that_leave_the_workspace_are_refused_by_the_kernel(target: Target) -> None:
+    host = target.host
+    workspace = await host.make_workspace()
+    _leaving_tree(workspace)
+    parent = anyio.Path(workspace).parent
+    with anyio.fail_after(30):
+        for path in LEAVING:
+            with pytest.raises(PathOutsideWorkspace):
+                await host.read_file(workspace, path, limit=10)
+            with pytest.raises(PathOutsideWorkspace):
+                await host.write_file(workspace, f"{path}/pwned", b"pwned", make_parents=True)
+            with pytest.raises(PathOutsideWorkspace):
+                await host.list_dir(workspace, path)
+            if path not in ("..", "/"):
+                with pytest.raises(PathOutsideWorkspace):
+                    await host.write_file(workspace, path, b"pwned")
+    # (The parent also holds other workspaces, spares made meanwhile among them.)
+    assert not await (parent / "x").exists()
+    assert not await (parent / "pwned").exists()
+    assert not await anyio.Path("/etc/pwned").exists()
+    assert "pwned" not in await anyio.Path("/etc/passwd").read_text()
+
+
+def _inside_links(workspace: str) -> None:
+    os.makedirs(f"{workspace}/sub/deep")
+    Path(workspace, "sub", "f.txt").write_text("inside")
+    os.symlink("sub/f.txt", f"{workspace}/to-file")
+    os.symlink("sub", f"{workspace}/to-dir")
+    os.symlink("../f.txt", f"{workspace}/sub/deep/up-one")
+    os.symlink(f"{workspace}/sub/f.txt", f"{workspace}/absolute")  # absolute: refused
+    os.symlink("nothing-here", f"{workspace}/dangling")
+
+
+async def test_symlinks_that_stay_inside_the_workspace_work(target: Target) -> None:
+    host = target.host
+    workspace = await host.make_workspace()
+    _inside_links(workspace)
+    with anyio.fail_after(20):
+        through_file = await host.read_file(workspace, "to-file", limit=100)
+        through_dir = await host.read_file(workspace, "to-dir/f.txt", limit=100)
+        through_up = await host.read_file(workspace, "sub/deep/up-one", limit=100)
+        listed = await host.list_dir(workspace, "to-dir")
+        await host.write_file(workspace, "to-file", b"written through")
+        await host.write_file(workspace, "to-dir/g.txt", b"new", make_parents=True)
+        with pytest.raises(PathOutsideWorkspace):
+            await host.read_file(workspace, "absolute", limit=100)
+        # A symlink is written through only to a file that exists: nothing is created for it.
+        with pytest.raises(FileNotFoundError):
+            await host.write_file(workspace, "dangling", b"x")
+    assert through_file.data == through_dir.data == through_up.data == b"inside"
+    assert [e.name for e in listed] == ["deep", "f.txt"]
+    assert await anyio.Path(workspace, "sub", "f.txt").read_text() == "written through"
+    assert await anyio.Path(workspace, "sub", "g.txt").read_text() == "new"
+    assert await anyio.Path(workspace, "to-file").is_symlink()
+    assert not await anyio.Path(workspace, "dangling").exists()  # its target was not made
+
+
+async def test_files_with_more_than_one_hard_link_are_refused(target: Target) -> None:
+    host = target.host
+    workspace = await host.make_workspace()
+    # Next to the workspace: on the same filesystem, outside the workspace.
+    outside = anyio.Path(workspace).parent / f"outside-{os.path.basename(workspace)}"
+    await outside.write_text("secret")
+    try:
+        await anyio.Path(workspace, "linked").hardlink_to(outside)
+        with anyio.fail_after(20):
+            with pytest.raises(OSError, match="more than one hard link") as read:
+                await host.read_file(workspace, "linked", limit=100)
+            with pytest.raises(OSError, match="more than one hard link") as written:
+                await host.write_file(workspace, "linked", b"pwned")
+        assert read.value.errno == written.value.errno == errno.EMLINK
+        assert await outside.read_text() == "secret"
+    finally:
+        await outside.unlink()
+
+
+async def test_a_workspace_must_be_an_absolute_path(target: Target) -> None:
+    # A relative workspace would depend on the host's own working directory.
     host = target.host
     with pytest.raises(ValueError, match="absolute"):
-        await host.read_file("relative", limit=1)
+        await host.read_file("relative", "x", limit=1)
     with pytest.raises(ValueError, match="absolute"):
-        await host.write_file("relative", b"x")
+        await host.write_file("relative", "x", b"x")
     with pytest.raises(ValueError, match="absolute"):
-        await host.list_dir("relative")
-    with pytest.raises(ValueError, match="absolute"):
-        await host.realpath("relative")
+        await host.list_dir("relative", ".")
 
 
 # -- lifecycle ----------------------------------------------------------------------------------

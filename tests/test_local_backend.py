@@ -256,9 +256,9 @@ async def test_reading_a_fifo_does_not_hang(host: LocalHost) -> None:
     os.mkfifo(f"{workspace}/pipe")
     with anyio.fail_after(2):
         with pytest.raises(OSError, match="not a regular file"):
-            await host.read_file(f"{workspace}/pipe", limit=10)
+            await host.read_file(workspace, "pipe", limit=10)
         with pytest.raises(OSError, match=r"No such device or address|not a regular file"):
-            await host.write_file(f"{workspace}/pipe", b"x")
+            await host.write_file(workspace, "pipe", b"x")
 
 
 # -- lifecycle -----------------------------------------------------------------------------------

@@ -21,20 +21,29 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import os
-import stat
+import posixpath
+import secrets
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import anyio
 import anyio.to_thread
 
+from agent_backend.backends import local_files
 from agent_backend.backends.local_command import DRAIN_SECONDS, run_in_group
 from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
+from agent_backend.backends.local_sandbox import (
+    AGENT_VARIABLE,
+    SandboxProcess,
+    agent_argv,
+    agent_source,
+)
 from agent_backend.backends.local_spawn import Spawner, posix_spawn_supported
 from agent_backend.backends.local_workspaces import WorkspaceKeeper
 from agent_backend.dispatch.backend import (
@@ -44,9 +53,22 @@ from agent_backend.dispatch.backend import (
     DirEntry,
     FileData,
     Host,
+    Output,
     absolute_path,
+    file_error,
 )
-from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
+from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError, SandboxUnavailable
+from agent_backend.sandbox import (
+    AGENT_PYTHON,
+    Cgroup,
+    CgroupTree,
+    Guarantees,
+    Registry,
+    guarantees_of,
+    missing_for_namespaces,
+    remove_dead_owner,
+    sandbox_argv,
+)
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
 
@@ -63,66 +85,37 @@ class LocalStatistics:
     workspaces: int
     """Workspaces made and not yet removed."""
     closed: bool
+    guarantees: Guarantees | None = None
+    """The walls around every command (``isolation`` and ``limits`` in force)."""
 
 
-def _read_file(path: str, limit: int) -> FileData:
-    # O_NONBLOCK: opening a FIFO must not hang a worker thread forever.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        chunks: list[bytes] = []
-        remaining = limit
-        while remaining > 0:
-            chunk = os.read(fd, min(remaining, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            remaining -= len(chunk)
-        return FileData(b"".join(chunks), info.st_size)
-    finally:
-        os.close(fd)
+def _make_dir(path: str, mode: int = 0o700) -> None:
+    os.makedirs(path, mode=mode, exist_ok=True)
 
 
-def _write_file(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
-        os.ftruncate(fd, 0)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
+@dataclasses.dataclass(slots=True)
+class _Walls:
+    """One sandbox: the uid its commands run as, its cgroups, and its running process."""
+
+    uid: int
+    cgroup: Cgroup
+    process: SandboxProcess | None = None
 
 
-def _list_dir(path: str) -> list[DirEntry]:
-    entries: list[DirEntry] = []
-    with os.scandir(path) as scan:
-        for entry in scan:
-            kind: Literal["file", "dir", "symlink", "other"]
-            size = 0
-            if entry.is_symlink():
-                kind = "symlink"
-            elif entry.is_dir(follow_symlinks=False):
-                kind = "dir"
-            elif entry.is_file(follow_symlinks=False):
-                kind = "file"
-                with contextlib.suppress(OSError):
-                    size = entry.stat(follow_symlinks=False).st_size
-            else:
-                kind = "other"
-            entries.append(DirEntry(entry.name, kind, size))
-    entries.sort(key=lambda e: e.name)
-    return entries
+def _suffix(path: str) -> str:
+    """The random part of one of our directory names, kept when a spare becomes a workspace and
+    a workspace becomes trash (``agent-backend-<kind>-<token>-<suffix>``)."""
+    return os.path.basename(path).rsplit("-", 1)[-1]
 
 
-def _make_dir(path: str) -> None:
-    os.makedirs(path, mode=0o700, exist_ok=True)
+def _lower_own_oom_score() -> None:
+    """Make this process the OOM killer's last choice among ours (its sandboxes' are 1000)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/oom_score_adj") as file:
+            current = int(file.read())
+        if current > -500:
+            with open("/proc/self/oom_score_adj", "w") as file:
+                file.write("-500")
 
 
 class LocalHost(Host):
@@ -147,6 +140,12 @@ class LocalHost(Host):
         self._started = False
         self._closing = False
         self._closed = anyio.Event()
+        # isolation = "namespaces": this owner's records and cgroups, and each sandbox's identity
+        # by its directory's suffix (set in the keeper's threads, read on the event loop).
+        self._sandboxed = config.isolation == "namespaces"
+        self._registry: Registry | None = None
+        self._cgroups: CgroupTree | None = None
+        self._walls: dict[str, _Walls] = {}
 
     def __repr__(self) -> str:
         return (
@@ -172,7 +171,12 @@ class LocalHost(Host):
             max_concurrent_calls=self.config.max_concurrent_calls,
             workspaces=len(self._workspaces),
             closed=self._closing,
+            guarantees=self.guarantees(),
         )
+
+    def guarantees(self) -> Guarantees:
+        """The walls in force around every command of this host."""
+        return guarantees_of(self.config.isolation, self.config.limits)
 
     async def start(self) -> None:
         if self._closing:
@@ -180,9 +184,12 @@ class LocalHost(Host):
         if self._started:
             return
         root = self.config.workspace_root
+        if self._sandboxed and self._registry is None:
+            await anyio.to_thread.run_sync(self._open_walls)
         try:
             if root is not None:
-                await anyio.to_thread.run_sync(_make_dir, root)
+                # A sandbox's own uid must be able to reach its workspace (not list the root).
+                await anyio.to_thread.run_sync(_make_dir, root, 0o711 if self._sandboxed else 0o700)
             base = root if root is not None else tempfile.gettempdir()
             if self._owner is None:
                 self._owner = await anyio.to_thread.run_sync(OwnerLock.acquire, base)
@@ -203,12 +210,16 @@ class LocalHost(Host):
             ) from exc
         if self._spawner is None and posix_spawn_supported():
             self._spawner = Spawner()
+        if self._sandboxed and not self._started:
+            await self._trial()
         if self._keeper is None:  # last: nothing after it can fail and leave its threads
             # Looked up when called: tests slow them down to prove they are off the loop.
             self._keeper = WorkspaceKeeper(
-                lambda: self._mkdtemp("spare"),
+                # A sandbox binds its workspace by path when it starts, ahead of need: under
+                # walls a spare has its workspace's name from the start, and keeps it.
+                lambda: self._mkdtemp("ws" if self._sandboxed else "spare"),
                 self._activate,
-                lambda path: remove_tree(path),
+                lambda path: self._remove_tree(path),
                 max_spares=self.config.spare_workspaces,
                 loop=asyncio.get_running_loop(),
                 discard=self._discard,
@@ -219,10 +230,181 @@ class LocalHost(Host):
         owner = self._owner
         if owner is None:  # closed while the directory was being asked for
             raise PoolClosed("the local backend is closed")
-        return os.path.realpath(tempfile.mkdtemp(prefix=owner.prefix(kind), dir=owner.root))
+        path = os.path.realpath(tempfile.mkdtemp(prefix=owner.prefix(kind), dir=owner.root))
+        if self._sandboxed:
+            try:
+                self._wall_in(path)
+            except BaseException:
+                remove_tree(path)
+                raise
+        return path
+
+    # -- walls (isolation = "namespaces") ---------------------------------------------------------
+
+    def _open_walls(self) -> None:
+        """Check the host can enforce the walls, register as an owner, reconcile dead owners."""
+        missing = missing_for_namespaces()
+        if not posix_spawn_supported():
+            missing.append("glibc 2.34 or later (posix_spawn with addchdir_np and addclosefrom_np)")
+        if missing:
+            raise SandboxUnavailable(
+                "isolation = 'namespaces' cannot be enforced on this host; missing: "
+                + "; ".join(missing),
+                missing=missing,
+                backend="local",
+                host=self.name,
+            )
+        token = secrets.token_hex(8)
+        cgroups = CgroupTree(token)
+        try:
+            registry = Registry.open(
+                self.config.sandbox_state_dir, token, note=json.dumps({"cgroups": cgroups.parents})
+            )
+        except OSError as exc:
+            raise SandboxUnavailable(
+                f"cannot record sandbox owners in the sandbox_state_dir: {exc.strerror or exc}",
+                missing=["a writable sandbox_state_dir"],
+                backend="local",
+                host=self.name,
+            ) from exc
+        # What dead owners left: their cgroups' members killed, their uids' processes too.
+        for dead, uids, note in registry.dead_owners():
+            try:
+                parents = json.loads(note).get("cgroups", {})
+            except ValueError:
+                parents = {}
+            remove_dead_owner(dead, parents)
+            registry.forget(dead, uids)
+        cgroups.create()
+        _lower_own_oom_score()
+        self._registry, self._cgroups = registry, cgroups
+
+    def _wall_in(self, path: str) -> None:
+        """Give the new directory ``path`` a sandbox: a uid of its own (owning it), cgroups, and
+        its process started (in a worker thread: spares are made ahead)."""
+        registry, cgroups = self._registry, self._cgroups
+        if registry is None or cgroups is None:
+            raise PoolClosed("the local backend is closed")
+        uid = registry.claim_uid()
+        walls: _Walls | None = None
+        try:
+            os.chown(path, uid, uid)
+            walls = _Walls(uid, cgroups.make(_suffix(path), self.config.limits))
+            self._start_sandbox(path, walls)
+        except BaseException:
+            if walls is not None:
+                cgroups.remove(walls.cgroup)
+            registry.release_uid(uid)
+            raise
+        self._walls[_suffix(path)] = walls
+
+    def _start_sandbox(self, root: str, walls: _Walls) -> None:
+        cgroups = self._cgroups
+        if cgroups is None:
+            raise PoolClosed("the local backend is closed")
+        argv = sandbox_argv(
+            agent_argv(AGENT_PYTHON),
+            uid=walls.uid,
+            workspace=root,
+            cwd=root,
+            limits=self.config.limits,
+            read_only=self.config.sandbox_read_only,
+        )
+        walls.process = SandboxProcess.start(
+            argv,
+            env={"PATH": os.defpath, AGENT_VARIABLE: agent_source()},
+            cwd=root,
+            born_in=lambda: cgroups.born_in(walls.cgroup),
+        )
+
+    def _remove_tree(self, path: str) -> None:
+        """Remove one of our directories, and its sandbox: processes, cgroups, then its uid."""
+        walls = self._walls.pop(_suffix(path), None)
+        if walls is not None:
+            if walls.process is not None:
+                walls.process.stop()
+            if self._cgroups is not None:
+                self._cgroups.remove(walls.cgroup)
+        remove_tree(path)
+        if walls is not None and self._registry is not None:
+            self._registry.release_uid(walls.uid)
+
+    def _detach(self, path: str) -> None:
+        """On the event loop: stop watching the sandbox of ``path`` before a thread ends it."""
+        walls = self._walls.get(_suffix(path))
+        if walls is not None and walls.process is not None:
+            walls.process.detach()
+
+    def _restart_sandbox(self, root: str, walls: _Walls) -> None:
+        """A sandbox that died (its agent killed): end what is left and start it again."""
+        old, walls.process = walls.process, None
+        if old is not None:
+            old.stop()
+        if self._cgroups is not None:
+            self._cgroups.empty(walls.cgroup)
+        self._start_sandbox(root, walls)
+
+    def _sandbox_of(self, cwd: str) -> tuple[str, _Walls] | None:
+        """The workspace (or scratch directory) ``cwd`` is in, with its walls."""
+        path = cwd
+        for _ in range(256):
+            if path in self._workspaces or path == self._scratch:
+                walls = self._walls.get(_suffix(path))
+                return (path, walls) if walls is not None else None
+            parent = posixpath.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        return None
+
+    async def _trial(self) -> None:
+        """Run ``true`` in a sandbox once: the proof that the walls can be built here."""
+        scratch = self._scratch
+        assert scratch is not None
+        result = await self._run_walled(
+            Command(argv=("true",), timeout=60.0, output_limit=4096), scratch, time.monotonic()
+        )
+        if result.exit_status != 0:
+            walls = self._walls.get(_suffix(scratch))
+            why = walls.process.why_dead() if walls is not None and walls.process else ""
+            why = why or result.stderr.text().strip() or f"exit status {result.exit_status}"
+            raise SandboxUnavailable(
+                f"isolation = 'namespaces': a trial sandbox failed on this host: {why}",
+                missing=[f"a working sandbox ({why})"],
+                backend="local",
+                host=self.name,
+            )
+
+    async def _run_walled(self, command: Command, cwd: str, started: float) -> CommandResult:
+        found = self._sandbox_of(cwd)
+        if found is None:
+            message = b"cannot run: the working directory must be inside the session workspace"
+            return CommandResult(
+                exit_status=126,
+                stderr=Output(message, len(message), False),
+                duration=time.monotonic() - started,
+                host=self.name,
+            )
+        root, walls = found
+        if walls.process is None or walls.process.is_dead():
+            if walls.process is not None:
+                walls.process.detach()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._restart_sandbox, root, walls)
+        return await run_in_group(
+            command,
+            config=self.config,
+            cwd=cwd,
+            host=self.name,
+            started=started,
+            sandbox=walls.process,
+        )
 
     def _activate(self, spare: str) -> str:
-        """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``)."""
+        """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``);
+        under walls it has that name already."""
+        if self._sandboxed:
+            return spare
         return self._rename_kind(spare, "spare", "ws")
 
     def _discard(self, path: str) -> str:
@@ -270,11 +452,14 @@ class LocalHost(Host):
                     leftovers.extend(await keeper.aclose())  # its spares
                 complete = True
                 for path in leftovers:
+                    self._detach(path)
+                for path in leftovers:
                     try:
-                        await anyio.to_thread.run_sync(remove_tree, path)
+                        await anyio.to_thread.run_sync(self._remove_tree, path)
                     except OSError as exc:
                         complete = False
                         logger.warning("could not remove %s at close: %s", path, exc)
+                await anyio.to_thread.run_sync(self._close_walls, complete)
                 if self._owner is not None:
                     owner, self._owner = self._owner, None
                     # Released either way; with a workspace left, the lock file stays and the
@@ -284,6 +469,19 @@ class LocalHost(Host):
                     )
         finally:
             self._closed.set()
+
+    def _close_walls(self, complete: bool) -> None:
+        registry, self._registry = self._registry, None
+        cgroups, self._cgroups = self._cgroups, None
+        if cgroups is not None:
+            cgroups.close()
+        if registry is not None:
+            # With a directory left, its uid stays recorded: the next owner to start kills
+            # whatever has it and forgets it.
+            if complete and not registry.uids():
+                registry.close()
+            else:
+                registry.close_lock_only()
 
     def _check_open(self) -> None:
         if self._closing:
@@ -318,10 +516,14 @@ class LocalHost(Host):
                         )
                 try:
                     self._active += 1
+                    cwd = command.cwd or self.config.default_cwd or self._scratch
+                    if self._sandboxed:
+                        assert cwd is not None
+                        return await self._run_walled(command, cwd, started)
                     return await run_in_group(
                         command,
                         config=self.config,
-                        cwd=command.cwd or self.config.default_cwd or self._scratch,
+                        cwd=cwd,
                         host=self.name,
                         started=started,
                         spawner=self._spawner,
@@ -346,7 +548,7 @@ class LocalHost(Host):
                 assert self._keeper is not None
                 path = await self._keeper.take()
                 if self._closing:  # closed while it was being made: do not leak it
-                    await anyio.to_thread.run_sync(remove_tree, path)
+                    await anyio.to_thread.run_sync(self._remove_tree, path)
                     raise PoolClosed("the local backend is closed")
                 self._workspaces.add(path)
         except OSError as exc:
@@ -360,37 +562,50 @@ class LocalHost(Host):
         if path not in self._workspaces:
             return
         self._workspaces.discard(path)
+        self._detach(path)
         keeper = self._keeper
         if keeper is None:  # closing: remove it here
-            await anyio.to_thread.run_sync(remove_tree, path)
+            await anyio.to_thread.run_sync(self._remove_tree, path)
             return
         await keeper.remove(path)
 
-    async def realpath(self, path: str) -> str:
-        self._check_open()
-        if path in self._workspaces:  # made here, resolved when made: no thread hop
-            return path
-        return await anyio.to_thread.run_sync(
-            os.path.realpath, absolute_path(path), abandon_on_cancel=True
-        )
+    # Beneath the workspace's descriptor, by the kernel (agent_backend.backends.local_files).
 
-    async def read_file(self, path: str, *, limit: int) -> FileData:
+    async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
         self._check_open()
-        return await anyio.to_thread.run_sync(
-            _read_file, absolute_path(path), limit, abandon_on_cancel=True
-        )
+        try:
+            data, size = await anyio.to_thread.run_sync(
+                local_files.read_file, absolute_path(workspace), path, limit, abandon_on_cancel=True
+            )
+        except OSError as exc:
+            raise file_error(exc, path, backend="local", host=self.name) from None
+        return FileData(data, size)
 
-    async def write_file(self, path: str, data: bytes) -> None:
+    async def write_file(
+        self, workspace: str, path: str, data: bytes, *, make_parents: bool = False
+    ) -> None:
         self._check_open()
-        await anyio.to_thread.run_sync(
-            _write_file, absolute_path(path), data, abandon_on_cancel=True
-        )
+        try:
+            await anyio.to_thread.run_sync(
+                local_files.write_file,
+                absolute_path(workspace),
+                path,
+                data,
+                make_parents,
+                abandon_on_cancel=True,
+            )
+        except OSError as exc:
+            raise file_error(exc, path, backend="local", host=self.name) from None
 
-    async def list_dir(self, path: str) -> list[DirEntry]:
+    async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
         self._check_open()
-        return await anyio.to_thread.run_sync(
-            _list_dir, absolute_path(path), abandon_on_cancel=True
-        )
+        try:
+            entries = await anyio.to_thread.run_sync(
+                local_files.list_dir, absolute_path(workspace), path, abandon_on_cancel=True
+            )
+        except OSError as exc:
+            raise file_error(exc, path, backend="local", host=self.name) from None
+        return [DirEntry.of(*entry) for entry in entries]
 
     def workspaces(self) -> frozenset[str]:
         """The workspaces made and not yet removed."""

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import errno
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Literal, Self
 
 from agent_backend.dispatch.spec import ENV_NAME_PATTERN
-from agent_backend.errors import BackendUnavailable
+from agent_backend.errors import BackendUnavailable, PathOutsideWorkspace
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.tools import Tool
 
@@ -51,6 +52,7 @@ __all__ = [
     "HostedResult",
     "Output",
     "absolute_path",
+    "file_error",
 ]
 
 
@@ -79,6 +81,23 @@ def absolute_path(path: str) -> str:
     if not posixpath.isabs(path):
         raise ValueError(f"host paths must be absolute, got {path!r}")
     return path
+
+
+def file_error(exc: OSError, path: str, *, backend: str, host: str) -> Exception:
+    """What a host's file method raises for ``exc``, an error of resolving ``path`` beneath a workspace.
+
+    ``EXDEV`` (the kernel refused a path that leaves the workspace) is
+    :class:`~agent_backend.errors.PathOutsideWorkspace`; ``ENOSYS`` (openat2
+    cannot be called: its message names what the host lacks) is
+    :class:`~agent_backend.errors.BackendUnavailable`; anything else is ``exc`` itself.
+    """
+    if exc.errno == errno.EXDEV:
+        return PathOutsideWorkspace(path)
+    if exc.errno == errno.ENOSYS:
+        return BackendUnavailable(
+            f"the file tools cannot run on {host}: {exc.strerror}", backend=backend, host=host
+        )
+    return exc
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,11 +167,23 @@ class FileData:
     """The file's full size."""
 
 
+DirKind = Literal["file", "dir", "symlink", "other"]
+_DIR_KINDS: dict[str, DirKind] = {"file": "file", "dir": "dir", "symlink": "symlink"}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class DirEntry:
     name: str
-    kind: Literal["file", "dir", "symlink", "other"]
+    """As the directory holds it (undecodable bytes as surrogate escapes), never escaped."""
+    kind: DirKind
     size: int
+    """The size of a file; 0 for anything else."""
+
+    @classmethod
+    def of(cls, name: str, kind: str, size: int) -> DirEntry:
+        """An entry from untyped parts (a worker thread's or a remote helper's): unknown kinds are "other"."""
+        known = _DIR_KINDS.get(kind, "other")
+        return cls(name, known, size if known == "file" else 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,7 +200,22 @@ class HostedResult:
 
 
 class Host(abc.ABC):
-    """One place commands run and files live. Paths are absolute paths on that host."""
+    """One place commands run and files live.
+
+    Workspaces are absolute paths on that host. The file methods take a
+    workspace and a path relative to it, and resolve that path *beneath* the
+    workspace with the kernel (``openat2(2)`` with ``RESOLVE_BENEATH |
+    RESOLVE_NO_MAGICLINKS``, on the host itself): never by comparing path
+    strings, never by resolving and then opening by name. So ``..`` that climbs
+    out, absolute paths, absolute symlinks and symlinks that point out raise
+    :class:`~agent_backend.errors.PathOutsideWorkspace`, however the tree
+    changes during the call; symlinks that stay inside work. A regular file
+    with more than one hard link is refused (``OSError`` with ``EMLINK``): it
+    may be another name of a file outside. Other failures are the matching
+    ``OSError`` (``FileNotFoundError``, ``IsADirectoryError``, ...). A host
+    where openat2 cannot be called raises
+    :class:`~agent_backend.errors.BackendUnavailable`: there is no weaker fallback.
+    """
 
     name: str
     """Stable, human-readable: ``local`` or ``user@host:port``."""
@@ -186,18 +232,26 @@ class Host(abc.ABC):
         """Remove a directory made by :meth:`make_workspace`, with everything in it."""
 
     @abc.abstractmethod
-    async def realpath(self, path: str) -> str:
-        """``path`` with every symlink resolved (the path itself need not exist)."""
+    async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
+        """At most ``limit`` bytes from the start of regular file ``path`` beneath ``workspace``."""
 
     @abc.abstractmethod
-    async def read_file(self, path: str, *, limit: int) -> FileData: ...
+    async def write_file(
+        self, workspace: str, path: str, data: bytes, *, make_parents: bool = False
+    ) -> None:
+        """Create (mode 0644) or replace regular file ``path`` beneath ``workspace``.
+
+        Its parent directory must exist, unless ``make_parents``: then missing
+        directories are made, each beneath ``workspace`` (no command is run).
+        """
 
     @abc.abstractmethod
-    async def write_file(self, path: str, data: bytes) -> None:
-        """Create or replace a regular file (its parent directory must exist)."""
+    async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
+        """The entries of directory ``path`` beneath ``workspace``, sorted by name.
 
-    @abc.abstractmethod
-    async def list_dir(self, path: str) -> list[DirEntry]: ...
+        Names are as the directory holds them, control characters included:
+        whoever shows them to a model escapes them.
+        """
 
     @abc.abstractmethod
     def calls_in_flight(self) -> int:

@@ -5,15 +5,18 @@ package has them without data files; ``schemas/tools/*.json`` hold the same
 definitions for people and other tools to read, and a test keeps the two
 identical (:func:`write_builtin_schemas` rewrites the files).
 
-File tools are confined to the session workspace: a path is joined to the
-workspace, resolved with ``host.realpath`` (every symlink followed) and
-refused with :class:`~agent_backend.errors.PathOutsideWorkspace` unless the
-result is the workspace or inside it. So ``..`` that climbs out, absolute
-paths elsewhere and symlinks pointing out are all refused, while
-``a/../b`` and the workspace's own absolute path are fine. This keeps the
-file tools from wandering; it is not a sandbox (``exec`` runs as the host's
-user). Outside a session there is no workspace, and file tools answer with a
-``NoWorkspace`` error result.
+File tools are confined to the session workspace by the kernel, on the host:
+the path is handed to the host relative to the workspace, and the host opens
+it beneath a descriptor of the workspace with ``openat2(2)``
+(``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``), so ``..`` that climbs out,
+absolute paths elsewhere, absolute symlinks and symlinks pointing out are
+refused with :class:`~agent_backend.errors.PathOutsideWorkspace` however the
+tree changes during the call, while ``a/../b``, symlinks that stay inside and
+the workspace's own absolute path are fine. A file with more than one hard
+link is refused (it may be a name of a file outside). ``list_dir`` escapes
+control characters and backslashes in names, so one entry is one line. Outside
+a session there is no workspace, and file tools answer with a ``NoWorkspace``
+error result.
 
 ``exec`` is a command like a command tool's: :func:`exec_command` reads its
 arguments into the :class:`~agent_backend.dispatch.backend.Command`, and the
@@ -21,8 +24,9 @@ dispatcher runs it and builds its result the one way it does for every
 command (:func:`agent_backend.dispatch.running.run_on_host`). The file tools
 run here (:func:`run_file_tool`).
 
-This module must never touch a path it has not checked, and never return
-more than the output bound.
+This module must never resolve or check a model's path itself (the host's
+kernel does, beneath the workspace), never run a command for a file tool, and
+never return more than the output bound.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import posixpath
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,9 +51,10 @@ __all__ = [
     "BUILTIN_DEFINITIONS",
     "FileToolContext",
     "builtin_tools",
+    "escape_name",
     "exec_command",
-    "resolve_in_workspace",
     "run_file_tool",
+    "workspace_relative",
     "write_builtin_schemas",
 ]
 
@@ -251,19 +255,20 @@ def _success(ctx: FileToolContext, output: str, *, truncated: bool, size: int) -
     )
 
 
-async def resolve_in_workspace(host: Host, workspace: str, path: str) -> str:
-    """The real path ``path`` names inside ``workspace``, or :class:`PathOutsideWorkspace`.
+def workspace_relative(workspace: str, path: str) -> str:
+    """``path`` as the host's file methods take it: relative to ``workspace``.
 
-    ``workspace`` must itself be a real path. Relative paths are taken from
-    the workspace; every symlink is resolved before the containment check.
+    A model often passes the workspace's absolute path: an absolute path that
+    names the workspace or something under it becomes relative. Any other path
+    is passed on as it is, for the host's kernel to resolve beneath the
+    workspace (or refuse). :class:`ToolArgumentError` for a NUL character.
     """
     if "\x00" in path:
         raise ToolArgumentError("a path must not contain NUL characters")
-    resolved = await host.realpath(posixpath.join(workspace, path))
-    root = workspace.rstrip("/") or "/"
-    if resolved != root and not resolved.startswith(root.rstrip("/") + "/"):
-        raise PathOutsideWorkspace(path)
-    return resolved
+    root = workspace.rstrip("/")
+    if path == root or path.startswith(root + "/"):
+        return path[len(root) :].lstrip("/") or "."
+    return path
 
 
 def exec_command(
@@ -312,13 +317,13 @@ async def run_file_tool(name: str, arguments: dict[str, Any], ctx: FileToolConte
             "NoWorkspace",
         )
     try:
-        path = await resolve_in_workspace(ctx.host, ctx.workspace, arguments.get("path", "."))
+        path = workspace_relative(ctx.workspace, arguments.get("path", "."))
         if name == "read_file":
-            return await _read_file(path, arguments, ctx)
+            return await _read_file(ctx.workspace, path, arguments, ctx)
         if name == "write_file":
-            return await _write_file(path, arguments, ctx)
+            return await _write_file(ctx.workspace, path, arguments, ctx)
         if name == "list_dir":
-            return await _list_dir(path, arguments, ctx)
+            return await _list_dir(ctx.workspace, path, ctx)
     except (PathOutsideWorkspace, ToolArgumentError) as exc:
         return ToolResult.from_error(exc, call_id=ctx.call_id, tool=ctx.tool, host=ctx.host.name)
     except AgentBackendError:
@@ -330,10 +335,12 @@ async def run_file_tool(name: str, arguments: dict[str, Any], ctx: FileToolConte
     raise ValueError(f"no file tool {name!r}")
 
 
-async def _read_file(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
+async def _read_file(
+    workspace: str, path: str, arguments: dict[str, Any], ctx: FileToolContext
+) -> ToolResult:
     offset: int = arguments.get("offset", 0)
     limit = min(arguments.get("limit", ctx.output_limit), ctx.output_limit)
-    data = await ctx.host.read_file(path, limit=offset + limit)
+    data = await ctx.host.read_file(workspace, path, limit=offset + limit)
     shown = data.data[offset : offset + limit]
     end = offset + len(shown)
     text = shown.decode("utf-8", errors="replace")
@@ -348,38 +355,60 @@ async def _read_file(path: str, arguments: dict[str, Any], ctx: FileToolContext)
     return _success(ctx, text, truncated=partial, size=data.size)
 
 
-async def _write_file(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
+async def _write_file(
+    workspace: str, path: str, arguments: dict[str, Any], ctx: FileToolContext
+) -> ToolResult:
     content: str = arguments["content"]
     data = content.encode()
-    try:
-        await ctx.host.write_file(path, data)
-    except FileNotFoundError:
-        # The parent is missing. It is inside the workspace (the path was
-        # resolved and checked), so create it, then write again.
-        parent = posixpath.dirname(path)
-        made = await ctx.host.run(
-            Command(argv=("mkdir", "-p", "--", parent), timeout=ctx.timeout, output_limit=1024)
-        )
-        if made.exit_status != 0:
-            reason = made.stderr.text().strip() or "cannot create the parent directory"
-            return _failure(ctx, clip(reason, 300), "FileError")
-        await ctx.host.write_file(path, data)
+    await ctx.host.write_file(workspace, path, data, make_parents=True)
     shown = arguments["path"]
     return _success(ctx, f"wrote {len(data)} bytes to {shown}", truncated=False, size=len(data))
 
 
+_SHORT_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape_char(char: str) -> str:
+    short = _SHORT_ESCAPES.get(char)
+    if short is not None:
+        return short
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that is not UTF-8 (os.fsdecode's surrogate escape)
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+def escape_name(name: str) -> str:
+    r"""``name`` with what could forge or hide a line shown escaped, the way Python writes them.
+
+    A backslash, every control character (C0, DEL, C1), line and paragraph
+    separators and every other character Python does not call printable
+    (format characters such as bidi overrides, surrogate escapes of bytes that
+    are not UTF-8) become ``\\``, ``\n``, ``\r``, ``\t``, ``\xNN``, ``\uNNNN``
+    or ``\UNNNNNNNN``; the space stays a space. So one entry is always one line.
+    """
+    if name.isprintable() and "\\" not in name:
+        return name
+    return "".join(
+        char if char.isprintable() and char != "\\" else _escape_char(char) for char in name
+    )
+
+
 def _render_entry(entry: DirEntry) -> str:
+    name = escape_name(entry.name)
     if entry.kind == "dir":
-        return f"{entry.name}/"
+        return f"{name}/"
     if entry.kind == "symlink":
-        return f"{entry.name}@"
+        return f"{name}@"
     if entry.kind == "file":
-        return f"{entry.name}  {entry.size}"
-    return f"{entry.name}?"
+        return f"{name}  {entry.size}"
+    return f"{name}?"
 
 
-async def _list_dir(path: str, arguments: dict[str, Any], ctx: FileToolContext) -> ToolResult:
-    entries = await ctx.host.list_dir(path)
+async def _list_dir(workspace: str, path: str, ctx: FileToolContext) -> ToolResult:
+    entries = await ctx.host.list_dir(workspace, path)
     text = "\n".join(_render_entry(entry) for entry in entries) if entries else "(empty)"
     raw = text.encode()
     bounded = head_tail(raw, ctx.output_limit)

@@ -76,7 +76,7 @@ class Workspace:
     made: str
     """What ``make_workspace`` returned: what is removed."""
     path: str | None = None
-    """Its real path on the host, once resolved; calls run here."""
+    """Its path on the host (``made``, a real path) once it is ready; calls run here."""
 
 
 class SessionWorkspaces:
@@ -137,11 +137,11 @@ class SessionWorkspaces:
                 raise PoolClosed(f"session {self._owner} was closed while its workspace was made")
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
-            workspace.path = await host.realpath(made)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self._remove(workspace)
             raise
+        workspace.path = made  # already real: make_workspace returns a symlink-free path
         return workspace
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ import anyio.to_thread
 import pytest
 
 import agent_backend.backends.local as local_backend
-from agent_backend.backends import local_process
+from agent_backend.backends import local_files, local_process
 
 
 def pid_alive(pid: int) -> bool:
@@ -68,8 +68,10 @@ def slow_local_disk(monkeypatch: pytest.MonkeyPatch, host: object, seconds: floa
 
         return slow
 
-    for name in ("remove_tree", "sweep_dead_owners", "_read_file", "_write_file", "_list_dir"):
+    for name in ("remove_tree", "sweep_dead_owners"):
         monkeypatch.setattr(local_backend, name, slowed(getattr(local_backend, name)))
+    for name in ("read_file", "write_file", "list_dir"):
+        monkeypatch.setattr(local_files, name, slowed(getattr(local_files, name)))
     monkeypatch.setattr(host, "_mkdtemp", slowed(host._mkdtemp))  # type: ignore[attr-defined]
 
 

@@ -93,7 +93,7 @@ class SSHHostSettings(ConfigModel):
     """Seconds between TERM and KILL when a timed-out or cancelled call's remote process
     group is ended."""
     file_op_timeout: float = pydantic.Field(default=60.0, gt=0)
-    """Seconds for one file operation (make/remove workspace, realpath, read, write, list)."""
+    """Seconds for one file operation (make/remove workspace, read, write, list)."""
 
     @pydantic.field_validator("workspace_root", "shell")
     @classmethod

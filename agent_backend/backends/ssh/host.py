@@ -436,14 +436,13 @@ class SSHHost(Host):
         await self._files.remove_tree(path)
         self._workspaces.discard(path)
 
-    async def realpath(self, path: str) -> str:
-        return await self._files.realpath(path)
+    async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
+        return await self._files.read_file(workspace, path, limit=limit)
 
-    async def read_file(self, path: str, *, limit: int) -> FileData:
-        return await self._files.read_file(path, limit=limit)
+    async def write_file(
+        self, workspace: str, path: str, data: bytes, *, make_parents: bool = False
+    ) -> None:
+        await self._files.write_file(workspace, path, data, make_parents=make_parents)
 
-    async def write_file(self, path: str, data: bytes) -> None:
-        await self._files.write_file(path, data)
-
-    async def list_dir(self, path: str) -> list[DirEntry]:
-        return await self._files.list_dir(path)
+    async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
+        return await self._files.list_dir(workspace, path)

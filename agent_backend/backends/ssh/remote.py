@@ -1,19 +1,30 @@
-"""What runs on the remote host: command lines, the kill script, file operations as shell scripts.
+"""What runs on the remote host: command lines, the kill script, file operations.
 
 Every remote command runs with ``AGENT_BACKEND_CALL=<token>`` in its environment,
 inherited by all it starts: the kill script finds a call's processes by that
 token (``/proc/*/environ``), which also proves they are ours (no pid reuse can
-make it kill a stranger). File operations are fixed scripts run as
-``/bin/sh -c SCRIPT sh ARGS...``: arguments are never spliced into a script.
+make it kill a stranger). Workspaces are made and removed by fixed shell
+scripts run as ``/bin/sh -c SCRIPT sh ARGS...``: arguments are never spliced
+into a script.
+
+The file tools' operations run on the remote host with the same code as on
+this machine: the source of :mod:`agent_backend.backends.local_files` (the
+standard library only), followed by a short entry point, is run with
+``python3 -I -S -c SOURCE OP WORKSPACE PATH ...``. So the remote kernel
+resolves every path beneath the workspace with ``openat2(2)``, refuses files
+with more than one hard link, and the result is read back from stdout (an
+``OSError`` as its errno's name and message on stderr, exit status 3).
 
 A timed-out, cancelled or stopped call's processes are ended by
 :class:`RemoteKills` (TERM, grace, KILL); commands of a lost connection keep
 running under sshd (no pty, no SIGHUP) and are killed by token over the next
 connection, on spare capacity only.
 
-Remote hosts need a POSIX shell and GNU coreutils/findutils/procps (any Linux).
-This module must never splice an argument into a script, signal a process that
-does not carry one of our call tokens, or queue for a channel to kill orphans
+Remote hosts need a POSIX shell and GNU coreutils/procps (any Linux); the file
+tools also need ``python3`` (3.7 or later) on the login PATH and Linux 5.6 or
+later (openat2). This module must never splice an argument into a script,
+resolve or check a file tool's path itself, signal a process that does not
+carry one of our call tokens, or queue for a channel to kill orphans
 (queueing would look like demand and open a connection).
 """
 
@@ -22,16 +33,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import importlib.resources
 import logging
 import os
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal
 
 import anyio
 import asyncssh
 
+from agent_backend.backends import local_files
 from agent_backend.backends.ssh.channel import SSHConnection, _CommandChannel
 from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.dispatch.backend import (
@@ -40,6 +52,7 @@ from agent_backend.dispatch.backend import (
     DirEntry,
     FileData,
     absolute_path,
+    file_error,
 )
 from agent_backend.errors import BackendUnavailable, clip
 
@@ -59,43 +72,50 @@ logger = logging.getLogger("agent_backend.backends.ssh")
 
 CALL_VAR = "AGENT_BACKEND_CALL"
 
-_FILE_ERRNOS = {
-    2: errno.ENOENT,
-    3: errno.EISDIR,
-    4: errno.ENOTDIR,
-    5: errno.EACCES,
-    6: errno.EINVAL,
-}
-_KINDS: dict[str, Literal["file", "dir", "symlink", "other"]] = {
-    "f": "file",
-    "d": "dir",
-    "l": "symlink",
-}
-
-# Exit codes 2-6 of these scripts map to the errnos above.
 _MAKE_WORKSPACE = (
     'umask 077 && mkdir -p -- "$1" && cd -- "$1" && pwd -P'
     ' && d=$(mktemp -d -- "$1/ws.XXXXXXXXXX") && cd -- "$d" && pwd -P'
 )
 _REMOVE_TREE = 'chmod -R u+rwx -- "$@" 2>/dev/null; rm -rf -- "$@"'
-_REALPATH = 'exec realpath -m -- "$1"'
-_READ_FILE = (
-    'f=$1; [ -e "$f" ] || exit 2; [ -d "$f" ] && exit 3; [ -r "$f" ] || exit 5;'
-    ' [ -f "$f" ] || exit 6; s=$(stat -L -c %s -- "$f") || exit 1;'
-    ' printf "%s\\n" "$s"; exec head -c "$2" -- "$f"'
+
+# The file operations: local_files's own source, then this entry point (python3 -c: argv[0]
+# is "-c"). Kept to what Python 3.7 runs.
+_FILES_MAIN = r"""
+
+
+def _remote_file_operation(argv):
+    operation, root, path = argv[1:4]
+    out = sys.stdout.buffer
+    try:
+        if operation == "read":
+            data, size = read_file(root, path, int(argv[4]))
+            out.write(b"%d\n" % size)
+            out.write(data)
+        elif operation == "write":
+            write_file(root, path, sys.stdin.buffer.read(), argv[4] == "1")
+        elif operation == "list":
+            for name, kind, size in list_dir(root, path):
+                out.write(b"%s %d %s\0" % (kind.encode(), size, os.fsencode(name)))
+        else:
+            sys.exit(2)
+    except OSError as exc:
+        name = errno.errorcode.get(exc.errno or 0, "EIO")
+        sys.stderr.write("%s %s\n" % (name, exc.strerror or exc))
+        sys.exit(3)
+    out.flush()
+
+
+_remote_file_operation(sys.argv)
+"""
+_FILES_SOURCE = (
+    importlib.resources.files(local_files.__package__ or "agent_backend.backends")
+    .joinpath("local_files.py")
+    .read_text(encoding="utf-8")
+    + _FILES_MAIN
 )
-_WRITE_FILE = (
-    'f=$1; case $f in */*) d=${f%/*};; *) d=.;; esac; [ -n "$d" ] || d=/;'
-    ' [ -d "$d" ] || exit 2; [ -d "$f" ] && exit 3; [ -w "$d" ] || exit 5;'
-    ' if [ -e "$f" ] && [ ! -f "$f" ]; then exit 6; fi;'
-    ' t=$(mktemp -- "$f.XXXXXXXX") || exit 5;'
-    ' if cat > "$t" && chmod 644 -- "$t" && mv -f -- "$t" "$f"; then exit 0; fi;'
-    ' rm -f -- "$t"; exit 1'
-)
-_LIST_DIR = (
-    '[ -e "$1" ] || exit 2; [ -d "$1" ] || exit 4; { [ -r "$1" ] && [ -x "$1" ]; } || exit 5;'
-    ' exec find "$1" -mindepth 1 -maxdepth 1 -printf "%y %s %f\\0"'
-)
+_RUN_PYTHON = 'p=$1; shift; exec python3 -I -S -c "$p" "$@"'
+_FILE_ERROR_EXIT = 3
+_NO_PYTHON_EXITS = (126, 127)
 _LIST_LIMIT = 16 << 20
 
 
@@ -215,12 +235,9 @@ class RemoteFiles:
         self._run = run
         self._host = host
 
-    def _error(self, result: CommandResult, path: str, what: str) -> OSError:
-        code = _FILE_ERRNOS.get(result.exit_status or 0)
-        if code is not None:
-            return OSError(code, os.strerror(code), path)
+    def _failed(self, result: CommandResult, what: str) -> str:
         detail = clip(result.stderr.text().strip(), 300) or f"exit status {result.exit_status}"
-        return OSError(errno.EIO, f"{what} failed on {self._host}: {detail}", path)
+        return f"{what} failed on {self._host}: {detail}"
 
     async def make_workspace(self, root: str) -> str:
         """A new mode-0700 directory under ``root``; its resolved path."""
@@ -238,42 +255,60 @@ class RemoteFiles:
     async def remove_tree(self, path: str) -> None:
         result = await self._run(Script(_REMOVE_TREE, (path,), "removing a workspace"))
         if result.exit_status != 0:
-            raise self._error(result, path, "removing a workspace")
+            raise OSError(errno.EIO, self._failed(result, "removing a workspace"), path)
 
-    async def realpath(self, path: str) -> str:
-        result = await self._run(Script(_REALPATH, (absolute_path(path),), "realpath"))
-        if result.exit_status != 0:
-            raise self._error(result, path, "realpath")
-        return result.stdout.data.decode("utf-8", "surrogateescape").removesuffix("\n")
+    async def _operation(
+        self,
+        what: str,
+        operation: str,
+        workspace: str,
+        path: str,
+        *extra: str,
+        stdin: bytes | None = None,
+        limit: int = 1 << 20,
+    ) -> CommandResult:
+        """Run one of local_files's operations on the host, beneath ``workspace``."""
+        args = (_FILES_SOURCE, operation, absolute_path(workspace), path, *extra)
+        result = await self._run(Script(_RUN_PYTHON, args, what, stdin=stdin, limit=limit))
+        if result.exit_status == 0:
+            return result
+        if result.exit_status == _FILE_ERROR_EXIT:
+            name, _, message = result.stderr.text().strip().partition(" ")
+            code = getattr(errno, name, None) if name.startswith("E") else None
+            if isinstance(code, int):
+                error = OSError(code, message or os.strerror(code), path)
+                raise file_error(error, path, backend="ssh", host=self._host) from None
+        if result.exit_status in _NO_PYTHON_EXITS:
+            raise BackendUnavailable(
+                f"the file tools need python3 (3.7 or later) on the PATH of {self._host}:"
+                f" {clip(result.stderr.text().strip(), 300)}",
+                backend="ssh",
+                host=self._host,
+            )
+        raise OSError(errno.EIO, self._failed(result, what), path)
 
-    async def read_file(self, path: str, *, limit: int) -> FileData:
+    async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
         if limit < 0:
             raise ValueError("limit must be >= 0")
-        result = await self._run(
-            Script(
-                _READ_FILE, (absolute_path(path), str(limit)), "reading a file", limit=limit + 64
-            )
+        result = await self._operation(
+            "reading a file", "read", workspace, path, str(limit), limit=limit + 64
         )
-        if result.exit_status != 0:
-            raise self._error(result, path, "reading a file")
         size_line, _, data = result.stdout.data.partition(b"\n")
         if result.stdout.truncated or not size_line.isdigit():
             raise OSError(errno.EIO, f"unexpected reply reading a file on {self._host}", path)
         return FileData(data, int(size_line))
 
-    async def write_file(self, path: str, data: bytes) -> None:
-        result = await self._run(
-            Script(_WRITE_FILE, (absolute_path(path),), "writing a file", stdin=data)
+    async def write_file(
+        self, workspace: str, path: str, data: bytes, *, make_parents: bool = False
+    ) -> None:
+        await self._operation(
+            "writing a file", "write", workspace, path, "1" if make_parents else "0", stdin=data
         )
-        if result.exit_status != 0:
-            raise self._error(result, path, "writing a file")
 
-    async def list_dir(self, path: str) -> list[DirEntry]:
-        result = await self._run(
-            Script(_LIST_DIR, (absolute_path(path),), "listing a directory", limit=_LIST_LIMIT)
+    async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
+        result = await self._operation(
+            "listing a directory", "list", workspace, path, limit=_LIST_LIMIT
         )
-        if result.exit_status != 0:
-            raise self._error(result, path, "listing a directory")
         if result.stdout.truncated:
             raise OSError(errno.EFBIG, f"directory listing larger than {_LIST_LIMIT} bytes", path)
         entries: list[DirEntry] = []
@@ -281,8 +316,7 @@ class RemoteFiles:
             if not record:
                 continue
             kind, size, name = record.decode("utf-8", "surrogateescape").split(" ", 2)
-            resolved = _KINDS.get(kind, "other")
-            entries.append(DirEntry(name, resolved, int(size) if resolved == "file" else 0))
+            entries.append(DirEntry.of(name, kind, int(size)))
         entries.sort(key=lambda entry: entry.name)
         return entries
 

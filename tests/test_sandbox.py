@@ -1,0 +1,446 @@
+"""The namespaces isolation tier, attacked: each attack must fail there (docs/sandboxes.md).
+
+Every test runs a real command in a real sandbox (bubblewrap, cgroup v1, a uid
+of the session's own) on the local backend. The same attacks against
+``isolation = "none"`` are run once and their outcome printed, for contrast
+(``-s`` shows them); only the namespaces tier's outcome is asserted.
+
+The tests need root, bubblewrap and cgroup v1: without them they skip, except
+under ``CI=true``, where they fail. Attacks that could hurt the machine (a fork
+bomb, a memory hog) run inside limits set first, and are bounded by count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
+from agent_backend.dispatch.backend import Command, CommandResult
+from agent_backend.errors import SandboxUnavailable
+from agent_backend.sandbox import SandboxLimits, missing_for_namespaces
+from agent_backend.sandbox.registry import UID_BASE, UID_COUNT
+from tests.support.proc_helpers import pid_alive
+
+pytestmark = pytest.mark.anyio
+
+HOME = os.path.expanduser("~")
+LIMITS = SandboxLimits(memory_mb=96, tasks=48, cpus=1.0, open_files=256, tmp_mb=16)
+
+
+def _require_walls() -> None:
+    missing = missing_for_namespaces()
+    if not missing:
+        return
+    reason = "the namespaces tier cannot run here: " + "; ".join(missing)
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture
+async def walled() -> AsyncIterator[LocalHost]:
+    _require_walls()
+    config = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=2)
+    async with LocalBackend(config) as backend:
+        yield backend.host
+
+
+@pytest.fixture
+async def open_host() -> AsyncIterator[LocalHost]:
+    async with LocalBackend(LocalPoolConfig(spare_workspaces=0)) as backend:
+        yield backend.host
+
+
+async def sh(host: LocalHost, line: str, cwd: str, *, limit: float = 60.0) -> CommandResult:
+    return await host.run(Command(shell=line, cwd=cwd, timeout=limit, output_limit=1 << 16))
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes on this host whose command line holds ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ")
+                if marker.encode() in cmdline and pid_alive(int(name)):
+                    found.append(int(name))
+    return found
+
+
+def _wait_for_processes(marker: str, count: int) -> None:
+    """Until ``count`` processes with ``marker`` run (a state, bounded by polls, not by a time)."""
+    for _ in range(60_000):
+        if len(_processes_with(marker)) >= count:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{count} processes with {marker!r} never ran")
+
+
+async def contrast(open_host: LocalHost, attack: str, line: str) -> None:
+    """Run ``line`` unconfined and print what it achieved there (not asserted)."""
+    workspace = await open_host.make_workspace()
+    result = await sh(open_host, line, workspace, limit=20)
+    print(f"\n[isolation=none] {attack}: exit {result.exit_status}: {result.stdout.text()[:200]!r}")
+
+
+# -- guarantees and refusal ------------------------------------------------------------------------
+
+
+async def test_guarantees_are_reported(walled: LocalHost) -> None:
+    stats = walled.statistics()
+    assert stats.guarantees is not None
+    assert stats.guarantees.isolation == "namespaces"
+    assert stats.guarantees.limits["memory"].startswith("96 MiB")
+    assert any(line.startswith("network: ") for line in stats.guarantees.lines())
+
+
+async def test_a_pool_that_cannot_have_its_walls_refuses_to_start() -> None:
+    config = LocalPoolConfig(isolation="namespaces", spare_workspaces=0)
+    missing = missing_for_namespaces()
+    if not missing:
+        # Make one requirement unmet for real: no bwrap on this process's PATH.
+        saved = os.environ["PATH"]
+        os.environ["PATH"] = "/nonexistent"
+        try:
+            with pytest.raises(SandboxUnavailable) as caught:
+                async with LocalBackend(config):
+                    pass
+        finally:
+            os.environ["PATH"] = saved
+    else:
+        with pytest.raises(SandboxUnavailable) as caught:
+            async with LocalBackend(config):
+                pass
+    assert caught.value.missing
+    assert "missing" in str(caught.value)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert again.missing == caught.value.missing
+
+
+def test_default_cwd_cannot_be_combined_with_walls() -> None:
+    with pytest.raises(ValueError, match="default_cwd"):
+        LocalPoolConfig(isolation="namespaces", default_cwd="/srv")
+
+
+# -- who the command is --------------------------------------------------------------------------
+
+
+async def test_a_session_is_a_uid_of_its_own_without_privileges(walled: LocalHost) -> None:
+    first, second = await walled.make_workspace(), await walled.make_workspace()
+    result = await sh(
+        walled, "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status", first
+    )
+    lines = result.stdout.text().split()
+    uid = int(lines[0])
+    assert UID_BASE <= uid < UID_BASE + UID_COUNT
+    assert lines[1:] == ["CapEff:", "0000000000000000", "CapBnd:", "0000000000000000",
+                         "NoNewPrivs:", "1"]  # fmt: skip
+    assert os.stat(first).st_uid == uid
+    other = await sh(walled, "id -u", second)
+    assert int(other.stdout.text()) != uid
+
+
+async def test_another_sessions_workspace_cannot_be_seen_or_touched(
+    walled: LocalHost, open_host: LocalHost
+) -> None:
+    mine, theirs = await walled.make_workspace(), await walled.make_workspace()
+    secret = secrets.token_hex(8)
+    assert (await sh(walled, f"echo {secret} > secret", theirs)).exit_status == 0
+    attack = f"cat {theirs}/secret; echo planted > {theirs}/planted; ls {os.path.dirname(theirs)}"
+    result = await sh(walled, attack, mine)
+    assert secret not in result.stdout.text()
+    assert not await anyio.Path(theirs, "planted").exists()
+    assert os.path.basename(theirs) not in result.stdout.text()
+    # Nor the spares a later session will be handed.
+    for spare in walled.spare_workspaces():
+        probe = await sh(walled, f"touch {spare}/x; ls {spare}", mine)
+        assert probe.exit_status != 0
+        assert not await anyio.Path(spare, "x").exists()
+    await contrast(open_host, "read another session", f"cat {theirs}/secret")
+
+
+async def test_the_daemon_its_token_and_its_environment_are_out_of_reach(
+    walled: LocalHost, tmp_path: Path
+) -> None:
+    workspace = await walled.make_workspace()
+    me = os.getpid()
+    attack = textwrap.dedent(
+        f"""\
+        cat /proc/{me}/environ && echo ENVIRON
+        kill -0 {me} && echo SIGNALLED
+        kill -9 {me} && echo KILLED
+        cat {HOME}/.config/agent-backend/token && echo TOKEN
+        ls /proc | grep -c '^[0-9]'
+        """
+    )
+    result = await sh(walled, attack, workspace)
+    out = result.stdout.text()
+    assert "ENVIRON" not in out
+    assert "SIGNALLED" not in out
+    assert "KILLED" not in out
+    assert "TOKEN" not in out
+    # Only the sandbox's own processes exist there: its init, the shell, grep, ls.
+    assert int(out.split()[-1]) <= 5
+    assert pid_alive(me)
+
+
+async def test_kill_minus_one_harms_nothing_outside(walled: LocalHost) -> None:
+    a, b = await walled.make_workspace(), await walled.make_workspace()
+    marker = f"7{secrets.randbelow(10**6)}.5"
+    async with anyio.create_task_group() as group:
+        outcome: dict[str, CommandResult] = {}
+
+        async def long_call() -> None:
+            outcome["b"] = await sh(walled, f"sleep {marker}; echo survived", b)
+
+        group.start_soon(long_call)
+        await anyio.to_thread.run_sync(_wait_for_processes, f"sleep {marker}", 1)
+        await sh(walled, "kill -9 -1", a)
+        assert _processes_with(f"sleep {marker}")  # still running
+        group.cancel_scope.cancel()
+    assert pid_alive(os.getpid())
+
+
+# -- nothing outlives its call ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "escape",
+    [
+        "setsid sleep {m} &",
+        "nohup sleep {m} > /dev/null 2>&1 &",
+        "sh -c 'sh -c \"sleep {m} &\" &'",
+        "setsid sh -c 'trap \"\" TERM HUP; sleep {m}' > /dev/null 2>&1 < /dev/null &",
+    ],
+    ids=["setsid", "nohup", "double-fork", "setsid-ignoring-term"],
+)
+async def test_processes_die_with_their_call(walled: LocalHost, escape: str) -> None:
+    workspace = await walled.make_workspace()
+    marker = f"9{secrets.randbelow(10**6)}.25"
+    # The call waits for a file the test makes once it has seen the escaped process run.
+    line = escape.format(m=marker) + "\necho started; while [ ! -e go ]; do sleep 0.01; done"
+    outcome: list[CommandResult] = []
+
+    async def call() -> None:
+        outcome.append(await sh(walled, line, workspace))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(call)
+        await anyio.to_thread.run_sync(_wait_for_processes, f"sleep {marker}", 1)
+        await anyio.Path(workspace, "go").touch()
+    assert "started" in outcome[0].stdout.text()
+    assert _processes_with(f"sleep {marker}") == []
+
+
+async def test_a_timed_out_call_takes_everything_with_it(walled: LocalHost) -> None:
+    workspace = await walled.make_workspace()
+    marker = f"8{secrets.randbelow(10**6)}.75"
+    result = await sh(walled, f"setsid sleep {marker} & sleep {marker}", workspace, limit=1.0)
+    assert result.timed_out
+    assert _processes_with(f"sleep {marker}") == []
+
+
+async def test_closing_a_session_removes_its_uid_cgroups_and_workspace(walled: LocalHost) -> None:
+    workspace = await walled.make_workspace()
+    uid = os.stat(workspace).st_uid
+    registry = walled._registry
+    assert registry is not None
+    assert uid in registry.uids()
+    await walled.remove_workspace(workspace)
+    for _ in range(1000):  # the keeper's threads remove it after the rename
+        if uid not in registry.uids():
+            break
+        await anyio.sleep(0.01)
+    assert uid not in registry.uids()
+    assert not await anyio.Path(workspace).exists()
+
+
+# -- limits ------------------------------------------------------------------------------------------
+
+
+async def test_a_fork_bomb_stops_at_the_task_limit(walled: LocalHost) -> None:
+    bomb, bystander = await walled.make_workspace(), await walled.make_workspace()
+    # Bounded by count: 300 sleepers asked for, the pids cgroup allows 48 tasks in all.
+    script = (
+        "import os, time\n"
+        "made = 0\n"
+        "for _ in range(300):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(30); os._exit(0)\n"
+        "        made += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(made, len([p for p in os.listdir('/proc') if p.isdigit()]), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    result = await sh(walled, f'python3 -c "{script}"', bomb, limit=60)
+    made, alive = map(int, result.stdout.text().split())
+    assert 8 < made < LIMITS.tasks
+    assert alive <= LIMITS.tasks
+    # Another session forks as usual meanwhile and after.
+    ok = await sh(walled, "sh -c 'echo fine'", bystander)
+    assert ok.stdout.text().strip() == "fine"
+
+
+async def test_a_memory_hog_is_killed_in_its_own_cgroup(walled: LocalHost) -> None:
+    hog, bystander = await walled.make_workspace(), await walled.make_workspace()
+    line = "python3 -c 'b = bytearray(400 << 20); print(len(b))'"
+    result = await sh(walled, line, hog, limit=60)
+    assert result.exit_status != 0
+    assert "419430400" not in result.stdout.text()
+    assert pid_alive(os.getpid())
+    ok = await sh(walled, "echo fine", bystander)
+    assert ok.stdout.text().strip() == "fine"
+
+
+async def test_limits_cannot_be_raised(walled: LocalHost) -> None:
+    workspace = await walled.make_workspace()
+    result = await sh(walled, f"ulimit -n {LIMITS.open_files * 4} && echo RAISED", workspace)
+    assert "RAISED" not in result.stdout.text()
+    hard = await sh(walled, "ulimit -Hn", workspace)
+    assert int(hard.stdout.text()) == LIMITS.open_files
+    oom = await sh(walled, "cat /proc/self/oom_score_adj; echo -1000 > /proc/self/oom_score_adj"
+                   " && echo LOWERED", workspace)  # fmt: skip
+    assert oom.stdout.text().split()[0] == "1000"
+    assert "LOWERED" not in oom.stdout.text()
+
+
+async def test_the_private_tmp_is_capped(walled: LocalHost) -> None:
+    workspace = await walled.make_workspace()
+    line = f"dd if=/dev/zero of=/tmp/fill bs=1M count={LIMITS.tmp_mb * 4} 2>&1; du -m /tmp/fill"
+    result = await sh(walled, line, workspace)
+    assert int(result.stdout.text().split()[-2]) <= LIMITS.tmp_mb
+
+
+# -- the kernel's own doors ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("attack", "line"),
+    [
+        ("mount", "mount -t tmpfs none /tmp && echo BROKE"),
+        ("setuid binary", "su -c 'id -u' root && echo BROKE"),
+        ("proc sys write", "echo evil > /proc/sys/kernel/hostname && echo BROKE"),
+        ("sys write", "echo 1 > /sys/kernel/mm/ksm/run && echo BROKE"),
+        ("user namespace", "unshare -U -r id -u && echo BROKE"),
+        ("system dirs", "touch /usr/bin/evil /etc/evil && echo BROKE"),
+        (
+            # PTRACE_SEIZE (stops nothing) of the agent, pid 2: it shares the commands' uid.
+            "ptrace the sandbox's agent",
+            "python3 -c 'import ctypes; l = ctypes.CDLL(None); "
+            'print("BROKE" if l.ptrace(0x4206, 2, 0, 0) == 0 else "no")\'',
+        ),
+    ],
+)
+async def test_privileged_doors_stay_shut(
+    walled: LocalHost, open_host: LocalHost, attack: str, line: str
+) -> None:
+    workspace = await walled.make_workspace()
+    result = await sh(walled, line, workspace)
+    assert "BROKE" not in result.stdout.text(), (attack, result)
+
+
+# -- the network -----------------------------------------------------------------------------------
+
+
+async def test_no_network_but_loopback_and_refusals_are_immediate(
+    walled: LocalHost, open_host: LocalHost
+) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        workspace = await walled.make_workspace()
+        probe = (
+            "python3 -c 'import socket, time; s = socket.socket(); s.settimeout(30); "
+            f'print(s.connect_ex(("127.0.0.1", {port})))\'; '
+            "ls /sys/class/net 2>/dev/null || cat /proc/net/dev | tail -n +3 | cut -d: -f1"
+        )
+        result = await sh(walled, probe, workspace, limit=60)
+        lines = result.stdout.text().split()
+        assert lines[0] == str(__import__("errno").ECONNREFUSED)  # refused at once, no timeout
+        assert [n for n in lines[1:] if n.strip()] == ["lo"]
+        await contrast(
+            open_host,
+            "reach a host loopback service",
+            f"python3 -c 'import socket; print(socket.create_connection((\"127.0.0.1\", {port})))'",
+        )
+
+
+# -- reconciliation after a SIGKILL -----------------------------------------------------------------
+
+_OWNER = textwrap.dedent(
+    """\
+    import anyio, sys
+    from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+    from agent_backend.dispatch.backend import Command
+
+    async def main():
+        config = LocalPoolConfig(
+            isolation="namespaces", spare_workspaces=2, sandbox_state_dir=sys.argv[1]
+        )
+        async with LocalBackend(config) as backend:
+            workspace = await backend.host.make_workspace()
+            print(workspace, flush=True)
+            line = f"setsid sleep {sys.argv[2]} & sleep {sys.argv[2]}"
+            await backend.host.run(Command(shell=line, cwd=workspace, timeout=600, output_limit=99))
+
+    anyio.run(main)
+    """
+)
+
+
+def _kill_owner_mid_call(state: Path, marker: str) -> tuple[str, str]:
+    """Start an owner whose call runs ``sleep marker`` twice, SIGKILL it once both run; its
+    workspace and owner token."""
+    with subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(state), marker], stdout=subprocess.PIPE, text=True
+    ) as owner:
+        try:
+            assert owner.stdout is not None
+            workspace = owner.stdout.readline().strip()
+            _wait_for_processes(f"sleep {marker}", 2)
+            lock = next((state / "owners").iterdir())
+            return workspace, lock.name.removesuffix(".lock")
+        finally:
+            owner.send_signal(signal.SIGKILL)
+            owner.wait()
+
+
+def _cgroups_of(token: str) -> list[Path]:
+    return list(Path("/sys/fs/cgroup").glob(f"*/**/agent-backend-{token}"))
+
+
+@pytest.mark.parametrize("round_", range(3))
+async def test_a_successor_removes_everything_a_killed_owner_left(
+    tmp_path: Path, round_: int
+) -> None:
+    _require_walls()
+    state = tmp_path / "state"
+    marker = f"6{secrets.randbelow(10**6)}.5"
+    workspace, token = await anyio.to_thread.run_sync(_kill_owner_mid_call, state, marker)
+    assert await anyio.Path(workspace).is_dir()  # left behind
+    config = LocalPoolConfig(
+        isolation="namespaces", spare_workspaces=0, sandbox_state_dir=str(state)
+    )
+    async with LocalBackend(config):
+        assert _processes_with(f"sleep {marker}") == []
+        assert not await anyio.Path(workspace).exists()
+        assert [p.name for p in (state / "uids").iterdir() if os.readlink(p) == token] == []
+        assert not (state / "owners" / f"{token}.lock").exists()
+        assert await anyio.to_thread.run_sync(_cgroups_of, token) == []

@@ -176,7 +176,9 @@ def _logging(level: str) -> None:
     )
 
 
-def _banner(url: str, token: Any, registry: ToolRegistry, pool_kind: str, grace: float) -> str:
+def _banner(
+    url: str, token: Any, registry: ToolRegistry, pool_kind: str, grace: float, walls: str
+) -> str:
     from agent_backend.tokens import TOKEN_ENV
 
     if token.path is None:
@@ -192,6 +194,7 @@ def _banner(url: str, token: Any, registry: ToolRegistry, pool_kind: str, grace:
     return (
         f"agent-backend daemon on {url} (pool: {pool_kind}, {len(registry)} tools; MCP at {url}/mcp)\n"
         f"{where}\n"
+        f"{walls}\n"
         "call it:\n"
         f"{setup}"
         f"  curl -s {header} '{url}/v1/tools?format=openai'\n"
@@ -331,7 +334,8 @@ def serve_command(
             )
             async with anyio.create_task_group() as group:
                 url = await group.start(server.serve)
-                typer.echo(_banner(url, token, registry, pools.describe(), settings.grace))
+                walls = pools.describe_walls()
+                typer.echo(_banner(url, token, registry, pools.describe(), settings.grace, walls))
 
     try:
         anyio.run(main)
@@ -484,9 +488,7 @@ def pool_check_command(
             async with anyio.create_task_group() as group:
                 for host in backend.hosts:
                     group.start_soon(probe, host)
-            guarantees = getattr(backend.statistics(), "guarantees", None)
-            if guarantees is not None:
-                walls.extend(guarantees.lines())
+            walls.extend(backend.guarantees())
             return repr(backend)
 
     try:

@@ -281,6 +281,17 @@ class PoolSet(AsyncResource):
             return next(iter(self.backends.values())).kind
         return ", ".join(f"{name}: {backend.kind}" for name, backend in self.backends.items())
 
+    def describe_walls(self) -> str:
+        """The isolation of each pool, for the start banner: ``walls: isolation: namespaces ...``
+        (the first guarantee line of each pool that declares any; ``pool check`` lists all)."""
+        parts = []
+        for name, backend in self.backends.items():
+            lines = backend.guarantees()
+            if lines:
+                head = lines[0] + ("" if len(lines) == 1 else f" (+{len(lines) - 1} guarantees)")
+                parts.append(head if len(self.backends) == 1 else f"{name}: {head}")
+        return "walls: " + ("; ".join(parts) if parts else "none declared")
+
     def has_hosts(self) -> bool:
         """Some pool runs commands (not only its own tools)."""
         return any(backend.hosts for backend in self.backends.values())

@@ -272,6 +272,9 @@ class PoolReadiness(_Model):
     """Hosts that are up (for a Ray pool: live actors)."""
     total: int
     """All its hosts (for a Ray pool: its replicas)."""
+    guarantees: list[str] = pydantic.Field(default_factory=list)
+    """The walls in force around its commands, one ``name: guarantee`` line each (isolation,
+    filesystem, processes, network, uid, limits); empty: the pool declares none."""
 
 
 class Readiness(_Model):

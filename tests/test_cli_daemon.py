@@ -77,6 +77,8 @@ def test_pool_check_reports_each_host(tmp_path: Path) -> None:
     assert lines[0].split() == ["HOST", "STATUS", "LATENCY", "DETAIL"]
     assert lines[1].split()[:2] == ["local", "ok"]
     assert "1/1 hosts healthy" in lines[-1]
+    assert "guarantees:" in lines
+    assert any(line.strip().startswith("isolation: ") for line in lines)
     broken = tmp_path / "broken.toml"
     broken.write_text('type = "local"\nmax_concurrent_calls = "many"\n')
     bad = runner.invoke(app, ["pool", "check", str(broken)])
@@ -205,6 +207,7 @@ def test_serve_takes_options_over_the_environment_over_the_env_file(tmp_path: Pa
         threading.Thread(target=process.stdout.read, daemon=True).start()
         url = f"http://127.0.0.1:{port}"
         assert banner[0].startswith(f"agent-backend daemon on {url} "), banner
+        assert any(line.startswith("walls: isolation: ") for line in banner), banner
         assert "calls in flight get 2.5 s to finish" in banner[-1], banner
         calls = [{"name": "exec", "arguments": {"command": "true"}}] * 3
         headers = {"Authorization": f"Bearer {TOKEN}"}

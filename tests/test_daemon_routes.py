@@ -28,7 +28,15 @@ def test_readiness_reflects_the_pool(daemon: Daemon) -> None:
     assert body["backend"] == "local"
     assert body["hosts_up"] == body["hosts"] == 1
     assert body["draining"] is False
-    assert body["pools"] == {"default": {"backend": "local", "up": 1, "total": 1}}
+    pools = body["pools"]
+    assert set(pools) == {"default"}
+    assert {k: v for k, v in pools["default"].items() if k != "guarantees"} == {
+        "backend": "local",
+        "up": 1,
+        "total": 1,
+    }
+    # The walls in force are declared, whatever they are.
+    assert pools["default"]["guarantees"][0].startswith("isolation: ")
 
 
 @pytest.mark.parametrize(

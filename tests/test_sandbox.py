@@ -16,6 +16,7 @@ import contextlib
 import os
 import pickle
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ import pytest
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import SandboxUnavailable
-from agent_backend.sandbox import SandboxLimits, missing_for_namespaces
+from agent_backend.sandbox import CgroupTree, SandboxLimits, missing_for_namespaces
 from agent_backend.sandbox.registry import UID_BASE, UID_COUNT
 from tests.support.proc_helpers import pid_alive
 
@@ -129,6 +130,21 @@ async def test_a_pool_that_cannot_have_its_walls_refuses_to_start() -> None:
     assert "missing" in str(caught.value)
     again = pickle.loads(pickle.dumps(caught.value))
     assert again.missing == caught.value.missing
+
+
+async def test_a_workspace_root_sandboxes_cannot_reach_is_refused(tmp_path: Path) -> None:
+    _require_walls()
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    config = LocalPoolConfig(
+        isolation="namespaces", workspace_root=str(closed / "root"), spare_workspaces=0
+    )
+    with pytest.raises(SandboxUnavailable, match="no o\\+x") as caught:
+        async with LocalBackend(config):
+            pass
+    # The first closed directory on the way is named (pytest's own base may be the first).
+    named = [p for p in (closed, *closed.parents) if f"{p} has no o+x" in str(caught.value)]
+    assert named
 
 
 def test_default_cwd_cannot_be_combined_with_walls() -> None:
@@ -392,7 +408,10 @@ _OWNER = textwrap.dedent(
 
     async def main():
         config = LocalPoolConfig(
-            isolation="namespaces", spare_workspaces=2, sandbox_state_dir=sys.argv[1]
+            isolation="namespaces",
+            spare_workspaces=2,
+            sandbox_state_dir=sys.argv[1],
+            workspace_root=sys.argv[3],
         )
         async with LocalBackend(config) as backend:
             workspace = await backend.host.make_workspace()
@@ -405,11 +424,13 @@ _OWNER = textwrap.dedent(
 )
 
 
-def _kill_owner_mid_call(state: Path, marker: str) -> tuple[str, str]:
+def _kill_owner_mid_call(state: Path, marker: str, root: str) -> tuple[str, str]:
     """Start an owner whose call runs ``sleep marker`` twice, SIGKILL it once both run; its
     workspace and owner token."""
     with subprocess.Popen(
-        [sys.executable, "-c", _OWNER, str(state), marker], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _OWNER, str(state), marker, root],
+        stdout=subprocess.PIPE,
+        text=True,
     ) as owner:
         try:
             assert owner.stdout is not None
@@ -422,8 +443,9 @@ def _kill_owner_mid_call(state: Path, marker: str) -> tuple[str, str]:
             owner.wait()
 
 
-def _cgroups_of(token: str) -> list[Path]:
-    return list(Path("/sys/fs/cgroup").glob(f"*/**/agent-backend-{token}"))
+def _cgroups_of(token: str) -> list[str]:
+    """The dead owner's cgroup directories still there (it shared this process's cgroups)."""
+    return [path for path in CgroupTree(token).roots.values() if os.path.exists(path)]
 
 
 @pytest.mark.parametrize("round_", range(3))
@@ -433,10 +455,24 @@ async def test_a_successor_removes_everything_a_killed_owner_left(
     _require_walls()
     state = tmp_path / "state"
     marker = f"6{secrets.randbelow(10**6)}.5"
-    workspace, token = await anyio.to_thread.run_sync(_kill_owner_mid_call, state, marker)
+    # A root of this test's own (pytest's tmp_path is closed to other uids): no other backend
+    # sweeps it, so what is found there is what the owner left and its successor removed.
+    root = f"/tmp/agent-backend-test-{secrets.token_hex(6)}"
+    await anyio.Path(root).mkdir(mode=0o711)
+    try:
+        await _kill_and_succeed(state, marker, root)
+    finally:
+        await anyio.to_thread.run_sync(shutil.rmtree, root)
+
+
+async def _kill_and_succeed(state: Path, marker: str, root: str) -> None:
+    workspace, token = await anyio.to_thread.run_sync(_kill_owner_mid_call, state, marker, root)
     assert await anyio.Path(workspace).is_dir()  # left behind
     config = LocalPoolConfig(
-        isolation="namespaces", spare_workspaces=0, sandbox_state_dir=str(state)
+        isolation="namespaces",
+        spare_workspaces=0,
+        sandbox_state_dir=str(state),
+        workspace_root=root,
     )
     async with LocalBackend(config):
         assert _processes_with(f"sleep {marker}") == []

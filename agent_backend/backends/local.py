@@ -40,6 +40,7 @@ from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
 from agent_backend.backends.local_sandbox import (
     AGENT_VARIABLE,
+    SandboxDied,
     SandboxProcess,
     agent_argv,
     agent_source,
@@ -64,6 +65,7 @@ from agent_backend.sandbox import (
     CgroupTree,
     Guarantees,
     Registry,
+    closed_ancestor,
     guarantees_of,
     missing_for_namespaces,
     remove_dead_owner,
@@ -204,6 +206,13 @@ class LocalHost(Host):
                 raise BackendUnavailable(
                     f"default_cwd {self.config.default_cwd!r} is not a directory", backend="local"
                 )
+        except SandboxDied as exc:  # the scratch directory's sandbox: the first one made
+            raise SandboxUnavailable(
+                f"isolation = 'namespaces': a trial sandbox failed on this host: {exc.strerror}",
+                missing=[f"a working sandbox ({exc.strerror})"],
+                backend="local",
+                host=self.name,
+            ) from exc
         except OSError as exc:
             raise BackendUnavailable(
                 f"cannot prepare the local workspace root: {exc}", backend="local", host=self.name
@@ -244,8 +253,14 @@ class LocalHost(Host):
     def _open_walls(self) -> None:
         """Check the host can enforce the walls, register as an owner, reconcile dead owners."""
         missing = missing_for_namespaces()
-        if not posix_spawn_supported():
-            missing.append("glibc 2.34 or later (posix_spawn with addchdir_np and addclosefrom_np)")
+        root = self.config.workspace_root or tempfile.gettempdir()
+        closed = closed_ancestor(os.path.dirname(os.path.realpath(root)))
+        if closed is not None:
+            missing.append(
+                f"a workspace_root other users can pass through: {closed} has no o+x, so no "
+                "sandbox's own uid could reach its workspace (chmod o+x it, or choose another "
+                "workspace_root)"
+            )
         if missing:
             raise SandboxUnavailable(
                 "isolation = 'namespaces' cannot be enforced on this host; missing: "
@@ -366,7 +381,9 @@ class LocalHost(Host):
         )
         if result.exit_status != 0:
             walls = self._walls.get(_suffix(scratch))
-            why = walls.process.why_dead() if walls is not None and walls.process else ""
+            why = ""
+            if walls is not None and walls.process is not None:
+                why = await anyio.to_thread.run_sync(walls.process.why_dead)
             why = why or result.stderr.text().strip() or f"exit status {result.exit_status}"
             raise SandboxUnavailable(
                 f"isolation = 'namespaces': a trial sandbox failed on this host: {why}",
@@ -653,3 +670,6 @@ class LocalBackend(Backend):
 
     def statistics(self) -> LocalStatistics:
         return self.host.statistics()
+
+    def guarantees(self) -> list[str]:
+        return self.host.guarantees().lines()

@@ -53,6 +53,7 @@ __all__ = [
 logger = logging.getLogger("agent_backend.backends.local")
 
 _AGENT_SOURCE: str | None = None
+_READY_SECONDS = 60.0
 
 
 #: The variable that hands the agent its program (the sandbox cannot see this package's files);
@@ -162,14 +163,43 @@ class SandboxProcess:
             raise
         finally:
             theirs.close()
+        sandbox = cls(popen, ours)
+        try:
+            sandbox._wait_ready()
+        except BaseException:
+            sandbox.stop()
+            raise
         ours.setblocking(False)
-        return cls(popen, ours)
+        return sandbox
+
+    def _wait_ready(self) -> None:
+        """Until the agent says it is ready (a spare is warm: its first call waits for nothing)."""
+        self._control.settimeout(_READY_SECONDS)
+        try:
+            data = self._control.recv(1 << 12)
+        except TimeoutError as exc:
+            raise SandboxDied(
+                0, f"the sandbox's agent did not start in {_READY_SECONDS:g} s"
+            ) from exc
+        except OSError:
+            data = b""
+        if not data:
+            raise SandboxDied(0, self.why_dead() or "the sandbox exited as it started")
+        try:
+            ready = json.loads(data).get("ready")
+        except (ValueError, AttributeError):
+            ready = None
+        if ready is None:
+            raise SandboxDied(0, "the sandbox's agent did not say it was ready")
 
     def is_dead(self) -> bool:
         return self._dead or self.popen.poll() is not None
 
     def why_dead(self) -> str:
-        """What the outer process said on stderr (bubblewrap's reason), once it has exited."""
+        """What the outer process said on stderr (bubblewrap's reason) once it has exited (waited
+        for, bounded: blocks; call from a thread)."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
         if self.popen.poll() is None or self.popen.stderr is None:
             return ""
         with contextlib.suppress(OSError, ValueError):

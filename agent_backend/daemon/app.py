@@ -226,7 +226,9 @@ class _Routes:
         pools = {}
         for name, backend in dispatcher.pools.items():
             up, total = backend.capacity()
-            pools[name] = PoolReadiness(backend=backend.kind, up=up, total=total)
+            pools[name] = PoolReadiness(
+                backend=backend.kind, up=up, total=total, guarantees=backend.guarantees()
+            )
         down = [name for name, pool in pools.items() if pool.up == 0]
         units = {name: dispatcher.pools[name].capacity_unit for name in down}
         reason = None

@@ -283,6 +283,11 @@ class Backend(AsyncResource):
     async def aclose(self) -> None:
         """Close everything; idempotent; nothing is left running or open afterwards."""
 
+    def guarantees(self) -> list[str]:
+        """The walls in force around what the backend runs, one ``name: guarantee`` line each
+        (isolation, filesystem, processes, network, uid, each limit); empty: none declared."""
+        return []
+
     @property
     @abc.abstractmethod
     def hosts(self) -> Sequence[Host]: ...

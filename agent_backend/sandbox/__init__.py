@@ -18,6 +18,7 @@ from agent_backend.sandbox.config import Isolation, SandboxLimits
 from agent_backend.sandbox.guarantees import (
     AGENT_PYTHON,
     Guarantees,
+    closed_ancestor,
     guarantees_of,
     missing_for_namespaces,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Isolation",
     "Registry",
     "SandboxLimits",
+    "closed_ancestor",
     "guarantees_of",
     "missing_for_namespaces",
     "remove_dead_owner",

@@ -6,6 +6,7 @@ file's text is its program, so it imports the standard library only and
 nothing of the host's (whose files the sandbox cannot see). Its stdin is a
 ``SOCK_SEQPACKET`` socket to the backend; one message is one JSON object:
 
+* first, unasked, ``{"ready": pid}``: the agent is up.
 * ``{"op": "run", "id", "argv", "env", "cwd", "stdin"}`` with the command's
   pipes as ``SCM_RIGHTS`` (stdin's read end if asked for, stdout's and stderr's
   write ends): the command is started in a process group of its own; answered
@@ -178,6 +179,7 @@ def main() -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     agent = Agent(control)
+    _send(control, {"ready": os.getpid()})
     poller = select.poll()
     poller.register(control, select.POLLIN)
     poller.register(wake_read, select.POLLIN)

@@ -18,7 +18,13 @@ import shutil
 from agent_backend.sandbox.cgroups import cgroup_v1_missing
 from agent_backend.sandbox.config import Isolation, SandboxLimits
 
-__all__ = ["AGENT_PYTHON", "Guarantees", "guarantees_of", "missing_for_namespaces"]
+__all__ = [
+    "AGENT_PYTHON",
+    "Guarantees",
+    "closed_ancestor",
+    "guarantees_of",
+    "missing_for_namespaces",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,3 +129,20 @@ def missing_for_namespaces(*, bwrap: str = "bwrap", setpriv: str = "setpriv") ->
             "/sys/fs/cgroup (cgroup v2 hosts are not supported yet)"
         )
     return missing
+
+
+def closed_ancestor(path: str) -> str | None:
+    """The first directory from ``/`` down to ``path`` that other users cannot pass through
+    (no ``o+x``): a sandbox's own uid could not reach a workspace below it. None: all open."""
+    current = "/"
+    for part in os.path.realpath(path).strip("/").split("/"):
+        if not part:
+            continue
+        current = os.path.join(current, part)
+        try:
+            mode = os.stat(current).st_mode
+        except FileNotFoundError:
+            return None  # made by the backend, with a mode that lets its sandboxes through
+        if not mode & 0o001:
+            return current
+    return None

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
@@ -150,6 +151,31 @@ async def test_a_workspace_root_sandboxes_cannot_reach_is_refused(tmp_path: Path
 def test_default_cwd_cannot_be_combined_with_walls() -> None:
     with pytest.raises(ValueError, match="default_cwd"):
         LocalPoolConfig(isolation="namespaces", default_cwd="/srv")
+
+
+# -- a command as usual, inside ---------------------------------------------------------------
+
+
+async def test_stdin_cwd_env_and_missing_programs_work_as_outside(walled: LocalHost) -> None:
+    workspace = await walled.make_workspace()
+    await sh(walled, "mkdir -p sub", workspace)
+    command = Command(
+        argv=("sh", "-c", "cat; pwd; echo $GREETING"),
+        cwd=f"{workspace}/sub",
+        env={"GREETING": "hello"},
+        stdin=b"from stdin\n",
+        timeout=60,
+        output_limit=4096,
+    )
+    result = await walled.run(command)
+    assert result.stdout.text() == f"from stdin\n{workspace}/sub\nhello\n"
+    missing = await walled.run(
+        Command(argv=("no-such-program",), cwd=workspace, timeout=60, output_limit=4096)
+    )
+    assert missing.exit_status == 127
+    assert "no-such-program" in missing.stderr.text()
+    outside = await walled.run(Command(argv=("true",), cwd="/usr", timeout=60, output_limit=99))
+    assert outside.exit_status == 126
 
 
 # -- who the command is --------------------------------------------------------------------------
@@ -480,3 +506,51 @@ async def _kill_and_succeed(state: Path, marker: str, root: str) -> None:
         assert [p.name for p in (state / "uids").iterdir() if os.readlink(p) == token] == []
         assert not (state / "owners" / f"{token}.lock").exists()
         assert await anyio.to_thread.run_sync(_cgroups_of, token) == []
+
+
+# -- through the daemon ------------------------------------------------------------------------------
+
+
+def test_through_the_daemon_a_command_reaches_neither_the_daemon_nor_another_session() -> None:
+    """The daemon (a real uvicorn) on a walled pool: a tool cannot call it, see it, or read
+    another session's workspace, with the token in hand or not."""
+    _require_walls()
+    from agent_backend.daemon import DaemonSettings, run_in_thread
+    from tests.support.daemon_fixtures import TOKEN, make_registry
+
+    settings = DaemonSettings(tokens=(TOKEN,), port=0, grace=2.0, mcp=False)
+    pool = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=2)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with (
+        run_in_thread(make_registry(), settings, pool=pool) as running,
+        httpx.Client(base_url=running.url, headers=headers, timeout=60) as http,
+    ):
+        ready = http.get("/v1/health/ready").json()
+        assert "isolation: namespaces" in ready["pools"]["default"]["guarantees"]
+        port = httpx.URL(running.url).port
+        first = http.post("/v1/sessions").json()["id"]
+        second = http.post("/v1/sessions").json()["id"]
+
+        def run(session: str, command: str) -> str:
+            call = {"name": "exec", "arguments": {"command": command}, "session": session}
+            response = http.post("/v1/call", json=call)
+            assert response.status_code == 200, response.text
+            return str(response.json()["output"])
+
+        secret = secrets.token_hex(8)
+        run(second, f"echo {secret} > secret; pwd")
+        where = run(second, "pwd").strip()
+        attack = textwrap.dedent(
+            f"""\
+            python3 -c 'import socket; s = socket.socket(); print("daemon", s.connect_ex(("127.0.0.1", {port})))'
+            cat {where}/secret 2>/dev/null
+            kill -0 {os.getpid()} 2>/dev/null && echo SIGNALLED
+            env | grep -c AGENT_BACKEND
+            """
+        )
+        out = run(first, attack)
+        assert f"daemon {__import__('errno').ECONNREFUSED}" in out
+        assert secret not in out
+        assert "SIGNALLED" not in out
+        assert out.strip().splitlines()[-1] == "0"  # nothing of the daemon's in the environment
+        assert secret in run(second, "cat secret")

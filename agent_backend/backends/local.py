@@ -110,6 +110,16 @@ def _suffix(path: str) -> str:
     return os.path.basename(path).rsplit("-", 1)[-1]
 
 
+def _outside_workspace(started: float, host: str) -> CommandResult:
+    message = b"cannot run: the working directory must be inside the session workspace"
+    return CommandResult(
+        exit_status=126,
+        stderr=Output(message, len(message), False),
+        duration=time.monotonic() - started,
+        host=host,
+    )
+
+
 def _lower_own_oom_score() -> None:
     """Make this process the OOM killer's last choice among ours (its sandboxes' are 1000)."""
     with contextlib.suppress(OSError, ValueError):
@@ -376,8 +386,13 @@ class LocalHost(Host):
         """Run ``true`` in a sandbox once: the proof that the walls can be built here."""
         scratch = self._scratch
         assert scratch is not None
-        result = await self._run_walled(
-            Command(argv=("true",), timeout=60.0, output_limit=4096), scratch, time.monotonic()
+        result = await run_in_group(
+            Command(argv=("true",), timeout=60.0, output_limit=4096),
+            config=self.config,
+            cwd=scratch,
+            host=self.name,
+            started=time.monotonic(),
+            sandbox=await self._sandbox_for(scratch),
         )
         if result.exit_status != 0:
             walls = self._walls.get(_suffix(scratch))
@@ -392,30 +407,19 @@ class LocalHost(Host):
                 host=self.name,
             )
 
-    async def _run_walled(self, command: Command, cwd: str, started: float) -> CommandResult:
+    async def _sandbox_for(self, cwd: str) -> SandboxProcess | None:
+        """The sandbox of the workspace ``cwd`` is in, started again if it died; None: ``cwd``
+        is in no workspace of ours."""
         found = self._sandbox_of(cwd)
         if found is None:
-            message = b"cannot run: the working directory must be inside the session workspace"
-            return CommandResult(
-                exit_status=126,
-                stderr=Output(message, len(message), False),
-                duration=time.monotonic() - started,
-                host=self.name,
-            )
+            return None
         root, walls = found
         if walls.process is None or walls.process.is_dead():
             if walls.process is not None:
                 walls.process.detach()
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self._restart_sandbox, root, walls)
-        return await run_in_group(
-            command,
-            config=self.config,
-            cwd=cwd,
-            host=self.name,
-            started=started,
-            sandbox=walls.process,
-        )
+        return walls.process
 
     def _activate(self, spare: str) -> str:
         """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``);
@@ -534,9 +538,12 @@ class LocalHost(Host):
                 try:
                     self._active += 1
                     cwd = command.cwd or self.config.default_cwd or self._scratch
+                    sandbox = None
                     if self._sandboxed:
                         assert cwd is not None
-                        return await self._run_walled(command, cwd, started)
+                        sandbox = await self._sandbox_for(cwd)
+                        if sandbox is None:
+                            return _outside_workspace(started, self.name)
                     return await run_in_group(
                         command,
                         config=self.config,
@@ -544,6 +551,7 @@ class LocalHost(Host):
                         host=self.name,
                         started=started,
                         spawner=self._spawner,
+                        sandbox=sandbox,
                     )
                 finally:
                     self._active -= 1

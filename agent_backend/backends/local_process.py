@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -52,7 +53,7 @@ import anyio
 from agent_backend.backends.local_spawn import Spawned, Spawner
 from agent_backend.dispatch.output import OutputBuffer
 
-__all__ = ["ChildProcess", "PipedChild", "pidfd_supported", "spawn"]
+__all__ = ["ChildPipes", "ChildProcess", "PipedChild", "child_pipes", "pidfd_supported", "spawn"]
 
 logger = logging.getLogger("agent_backend.backends.local")
 
@@ -298,15 +299,25 @@ class _PidfdChild(PipedChild):
         # Otherwise the pidfd reader stays registered and reaps the leader when it dies.
 
 
-def _popen_spawn(
-    argv: Sequence[str], options: dict[str, Any], stdin: bool
-) -> tuple[subprocess.Popen[bytes], Spawned]:
-    """Popen on this thread (the event loop's): the fallback where libc's posix_spawn falls short."""
-    # Our own pipes, handed to Popen as descriptors: the parent's ends stay raw fds, as the
-    # Spawner's do, and Popen holds no file object to close.
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChildPipes:
+    """A command's three pipes: the child's ends (to hand over) and ours (raw descriptors)."""
+
+    theirs: tuple[int | None, int, int]
+    """stdin's read end (None: no stdin pipe), stdout's and stderr's write ends."""
+    ours: tuple[int | None, int, int]
+    """stdin's write end (or None), stdout's and stderr's read ends."""
+
+
+@contextlib.contextmanager
+def child_pipes(stdin: bool) -> Iterator[ChildPipes]:
+    """Pipes for one command. The child's ends are closed on the way out, whatever happens (the
+    child holds its own copies by then); ours are closed only on an error, and are left
+    non-blocking otherwise, for the caller to own."""
     ours: list[int] = []
     theirs: list[int] = []
     try:
+        child_in = our_in = None
         if stdin:
             child_in, our_in = os.pipe()
             ours.append(our_in)
@@ -315,20 +326,7 @@ def _popen_spawn(
         our_err, child_err = os.pipe()
         ours += (our_out, our_err)
         theirs += (child_out, child_err)
-        # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
-        popen = subprocess.Popen(
-            list(argv),
-            **options,
-            stdin=child_in if stdin else subprocess.DEVNULL,
-            stdout=child_out,
-            stderr=child_err,
-        )
-        try:
-            pidfd = os.pidfd_open(popen.pid)
-        except BaseException:
-            popen.kill()
-            popen.wait()
-            raise
+        yield ChildPipes((child_in, child_out, child_err), (our_in, our_out, our_err))
     except BaseException:
         for fd in ours:
             os.close(fd)
@@ -338,7 +336,32 @@ def _popen_spawn(
             os.close(fd)
     for fd in ours:
         os.set_blocking(fd, False)
-    return popen, Spawned(popen.pid, pidfd, ours[0] if stdin else None, our_out, our_err)
+
+
+def _popen_spawn(
+    argv: Sequence[str], options: dict[str, Any], stdin: bool
+) -> tuple[subprocess.Popen[bytes], Spawned]:
+    """Popen on this thread (the event loop's): the fallback where libc's posix_spawn falls short."""
+    # Our own pipes, handed to Popen as descriptors: the parent's ends stay raw fds, as the
+    # Spawner's do, and Popen holds no file object to close.
+    with child_pipes(stdin) as pipes:
+        child_in, child_out, child_err = pipes.theirs
+        # Popen returns once the child has exec'd (vfork): asyncio's spawn calls it the same way.
+        popen = subprocess.Popen(
+            list(argv),
+            **options,
+            stdin=child_in if child_in is not None else subprocess.DEVNULL,
+            stdout=child_out,
+            stderr=child_err,
+        )
+        try:
+            pidfd = os.pidfd_open(popen.pid)
+        except BaseException:
+            popen.kill()
+            popen.wait()
+            raise
+    our_in, our_out, our_err = pipes.ours
+    return popen, Spawned(popen.pid, pidfd, our_in, our_out, our_err)
 
 
 # -- elsewhere: asyncio's subprocess transport -------------------------------------------------------

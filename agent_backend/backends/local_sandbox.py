@@ -38,7 +38,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from agent_backend.backends.local_process import PipedChild
+from agent_backend.backends.local_process import PipedChild, child_pipes
 from agent_backend.dispatch.output import OutputBuffer
 
 __all__ = [
@@ -232,42 +232,27 @@ class SandboxProcess:
         if self.is_dead():
             raise SandboxDied(0, "the session's sandbox is gone")
         loop = self._attach()
-        ours: list[int] = []
-        theirs: list[int] = []
-        try:
-            if stdin:
-                read, write = os.pipe()
-                theirs.append(read)
-                ours.append(write)
-            for _ in range(2):
-                read, write = os.pipe()
-                ours.append(read)
-                theirs.append(write)
-            self._next += 1
-            call = self._next
-            pending = _Pending(loop.create_future())
-            self._calls[call] = pending
+        self._next += 1
+        call = self._next
+        pending = _Pending(loop.create_future())
+        with child_pipes(stdin) as pipes:
             message = {"op": "run", "id": call, "argv": list(argv), "env": dict(env)}
             message.update(cwd=cwd, stdin=stdin)
-            self.send(message, fds=theirs)
-        except BaseException:
-            for fd in ours:
-                os.close(fd)
-            raise
-        finally:
-            for fd in theirs:
-                os.close(fd)
+            self._calls[call] = pending
+            try:
+                self.send(message, fds=[fd for fd in pipes.theirs if fd is not None])
+            except BaseException:
+                self._calls.pop(call, None)
+                raise
         try:
             pid = await pending.started
         except BaseException:
             self._calls.pop(call, None)
-            for fd in ours:
-                os.close(fd)
+            for fd in pipes.ours:
+                if fd is not None:
+                    os.close(fd)
             raise
-        for fd in ours:
-            os.set_blocking(fd, False)
-        pipes = (ours[0], ours[1], ours[2]) if stdin else (None, ours[0], ours[1])
-        child = SandboxChild(self, call, loop, pipes, stdout, stderr)
+        child = SandboxChild(self, call, loop, pipes.ours, stdout, stderr)
         child.pid = pid
         pending.child = child
         if pending.exited:

@@ -29,13 +29,13 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from support.proc_helpers import pid_alive
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import SandboxUnavailable
 from agent_backend.sandbox import CgroupTree, SandboxLimits, missing_for_namespaces
 from agent_backend.sandbox.registry import UID_BASE, UID_COUNT
-from tests.support.proc_helpers import pid_alive
 
 pytestmark = pytest.mark.anyio
 
@@ -515,8 +515,9 @@ def test_through_the_daemon_a_command_reaches_neither_the_daemon_nor_another_ses
     """The daemon (a real uvicorn) on a walled pool: a tool cannot call it, see it, or read
     another session's workspace, with the token in hand or not."""
     _require_walls()
+    from support.daemon_fixtures import TOKEN, make_registry
+
     from agent_backend.daemon import DaemonSettings, run_in_thread
-    from tests.support.daemon_fixtures import TOKEN, make_registry
 
     settings = DaemonSettings(tokens=(TOKEN,), port=0, grace=2.0, mcp=False)
     pool = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=2)

@@ -8,6 +8,13 @@ in its own process group that is ended on every way out, so nothing a call
 started outlives it. Commands start in the session workspace, or in a private
 scratch directory outside a session.
 
+With ``isolation = "namespaces"`` (docs/sandboxes.md) every workspace, and the
+scratch directory, gets a sandbox when it is made (a uid of its own, cgroups,
+and a running :class:`~agent_backend.backends.local_sandbox.SandboxProcess`
+whose agent starts each of its commands); the pool refuses to start where the
+host cannot build one, and a start first removes what dead owners left
+(:mod:`agent_backend.sandbox.registry`).
+
 This module must never block the event loop: file operations run in worker
 threads (workspaces in those of
 :class:`~agent_backend.backends.local_workspaces.WorkspaceKeeper`, which also

@@ -377,7 +377,13 @@ async def test_an_episode_through_the_daemon_on_ssh_and_ray(
             # Readiness and metrics speak of every pool, by name.
             ready = (await http.get("/v1/health/ready")).json()
             assert ready["status"] == "ready", ready
-            assert ready["pools"]["cmd"] == {"backend": "ssh", "up": 1, "total": 1}
+            # An SSH pool declares no walls yet (isolation is the local pool's, docs/sandboxes.md).
+            assert ready["pools"]["cmd"] == {
+                "backend": "ssh",
+                "up": 1,
+                "total": 1,
+                "guarantees": [],
+            }
             assert ready["pools"]["gpu"]["backend"] == "ray"
             assert ready["pools"]["gpu"]["up"] == ready["pools"]["gpu"]["total"] >= 1
             metrics = (await http.get("/metrics")).text

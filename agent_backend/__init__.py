@@ -30,7 +30,7 @@ from agent_backend.errors import (
 
 if _typing.TYPE_CHECKING:
     from agent_backend.client import Client, SyncClient
-    from agent_backend.dispatch import Dispatcher, Session
+    from agent_backend.dispatch import Dispatcher, Session, Snapshot
     from agent_backend.pool_file import DEFAULT_POOL, load_pool
     from agent_backend.result import ToolResult
     from agent_backend.schema import (
@@ -75,6 +75,7 @@ __all__ = [
     "SchemaError",
     "SchemaRefError",
     "Session",
+    "Snapshot",
     "SyncClient",
     "Tool",
     "ToolArgumentError",
@@ -103,6 +104,7 @@ _HOME = {
     "SyncClient": "client",
     "Dispatcher": "dispatch",
     "Session": "dispatch",
+    "Snapshot": "dispatch",
     "ToolResult": "result",
     "DEFAULT_POOL": "pool_file",
     "load_pool": "pool_file",

@@ -28,6 +28,7 @@ from agent_backend.tools import ToolCall, ToolRegistry
 
 if TYPE_CHECKING:
     from agent_backend.daemon import DaemonSettings
+    from agent_backend.sandbox import Isolation
 
 app = typer.Typer(
     name="agent-backend",
@@ -89,6 +90,27 @@ PoolFile = Annotated[
         dir_okay=False,
     ),
 ]
+
+
+class IsolationTier(StrEnum):
+    namespaces = "namespaces"
+    none = "none"
+
+
+IsolationOption = Annotated[
+    IsolationTier | None,
+    typer.Option(
+        "--isolation",
+        help="The walls around every command of the local pools, over what the pool file says: "
+        "namespaces (each session in its own namespaces, uid and limits; the default pool's "
+        "tier) or none (no walls: only for a model you trust). docs/sandboxes.md.",
+        case_sensitive=False,
+    ),
+]
+
+
+def _tier(isolation: IsolationTier | None) -> Isolation | None:
+    return None if isolation is None else isolation.value
 
 
 def _registry(tools_dir: Path) -> ToolRegistry:
@@ -255,6 +277,7 @@ def _daemon_settings(
 def serve_command(
     ctx: typer.Context,
     pool: PoolFile = None,
+    isolation: IsolationOption = None,
     host: Annotated[
         str | None,
         typer.Option(
@@ -315,7 +338,7 @@ def serve_command(
             grace=grace,
             max_concurrent_per_token=max_concurrent_per_token,
         )
-        pools = load_pools(pool)
+        pools = load_pools(pool, isolation=_tier(isolation))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     registry = _pool_registry(tools_dir, pools)
@@ -346,6 +369,7 @@ def serve_command(
 @app.command("mcp")
 def mcp_command(
     pool: PoolFile = None,
+    isolation: IsolationOption = None,
     tools_dir: PoolToolsDir = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "warning",
 ) -> None:
@@ -356,7 +380,7 @@ def mcp_command(
 
     _logging(log_level)
     try:
-        pools = load_pools(pool)
+        pools = load_pools(pool, isolation=_tier(isolation))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     registry = _pool_registry(tools_dir, pools)
@@ -381,6 +405,7 @@ def call_command(
         typer.Argument(help='Arguments as JSON text, e.g. \'{"command": "ls"}\'; - reads stdin.'),
     ] = "{}",
     pool: PoolFile = None,
+    isolation: IsolationOption = None,
     tools_dir: PoolToolsDir = None,
     url: Annotated[
         str | None,
@@ -409,7 +434,7 @@ def call_command(
     call = ToolCall("cli", name, text, "openai")
 
     async def local() -> ToolResult:
-        pools = load_pools(pool)
+        pools = load_pools(pool, isolation=_tier(isolation))
         registry = _pool_registry(tools_dir, pools)
         async with pools, Dispatcher(registry, **pools.dispatcher_options()) as d:
             return await d.call(call, timeout=timeout)
@@ -446,6 +471,7 @@ def pool_check_command(
     timeout: Annotated[
         float, typer.Option(help="Seconds each host gets to answer.", min=0.1)
     ] = 10.0,
+    isolation: IsolationOption = None,
 ) -> None:
     """Connect to every host (or actor) of a pool file, run `true` there, and report health
     and the guarantees in force (isolation, limits).
@@ -453,10 +479,12 @@ def pool_check_command(
     Exit status 0 when every host answered, 1 when one did not, 3 for a bad file.
     """
     from agent_backend.dispatch import Command
-    from agent_backend.pool_file import load_pool
+    from agent_backend.pool_file import load_pool, load_pool_config, with_isolation
 
     try:
-        backend = load_pool(file)
+        config = load_pool_config(file)
+        tier = _tier(isolation)
+        backend = load_pool(config if tier is None else with_isolation(config, tier))
     except AgentBackendError as exc:
         _fail(str(exc), code=3)
     rows: list[tuple[str, str, str, str]] = []

@@ -55,6 +55,7 @@ from agent_backend.dispatch.backend import Backend
 from agent_backend.dispatch.spec import config_error
 from agent_backend.errors import ConfigError, clip
 from agent_backend.lifecycle import AsyncResource
+from agent_backend.sandbox import Isolation
 
 if TYPE_CHECKING:
     from agent_backend.backends.ray import RayPoolConfig
@@ -77,6 +78,7 @@ __all__ = [
     "pool_config_from_dict",
     "pool_from_config",
     "pool_set_config_from_dict",
+    "with_isolation",
 ]
 
 logger = logging.getLogger("agent_backend.pool_file")
@@ -325,10 +327,14 @@ async def _close_one(name: str, backend: Backend) -> None:
 
 def load_pools(
     source: str | os.PathLike[str] | PoolConfig | PoolSetConfig | None = None,
+    *,
+    isolation: Isolation | None = None,
 ) -> PoolSet:
     """The backends a pool-set file (or one pool's file, or a config object) describes;
     None: :data:`DEFAULT_POOL`.
 
+    ``isolation``: the tier every local pool of the set runs at, over what its
+    file says (``--isolation`` on the command line); None: as the file says.
     Start them with ``async with``; :class:`ConfigError` for a bad file.
     """
     if isinstance(source, (str, os.PathLike)):
@@ -337,5 +343,27 @@ def load_pools(
         source = PoolSetConfig.single()
     if not isinstance(source, PoolSetConfig):
         source = PoolSetConfig.single(source)
-    backends = {name: pool_from_config(config) for name, config in source.pools.items()}
+    configs = dict(source.pools)
+    if isolation is not None:
+        configs = {name: with_isolation(config, isolation) for name, config in configs.items()}
+    backends = {name: pool_from_config(config) for name, config in configs.items()}
     return PoolSet(backends, source.default)
+
+
+def with_isolation(config: PoolConfig, isolation: Isolation) -> PoolConfig:
+    """``config`` at isolation tier ``isolation`` if it is a local pool's; else ``config``.
+
+    Checked as a file would be: ``default_cwd`` cannot be kept under walls
+    (:class:`ConfigError`).
+    """
+    if not isinstance(config, LocalPoolConfig) or config.isolation == isolation:
+        return config
+    try:
+        return LocalPoolConfig.model_validate({**config.model_dump(), "isolation": isolation})
+    except pydantic.ValidationError as exc:
+        error = exc.errors()[0]
+        raise ConfigError(
+            f"--isolation {isolation}: {error['msg'].removeprefix('Value error, ')}",
+            key="isolation",
+            expected="a pool that can run at that tier",
+        ) from None

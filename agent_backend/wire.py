@@ -51,6 +51,8 @@ __all__ = [
     "DaemonError",
     "ErrorBody",
     "ErrorDetail",
+    "ForkRequest",
+    "ForkResponse",
     "IdempotencyConflict",
     "InvalidRequest",
     "Liveness",
@@ -251,6 +253,16 @@ class SessionInfo(_Model):
     """The host its calls run on."""
     workspace: str
     """Its private working directory on that host."""
+
+
+class ForkRequest(_Model):
+    n: int = pydantic.Field(ge=1, le=64)
+    """How many sessions to make, each starting as a copy of the session's workspace."""
+
+
+class ForkResponse(_Model):
+    sessions: list[SessionInfo]
+    """The new sessions, each independent of the others and of the one forked; close each."""
 
 
 class ToolsResponse(_Model):

@@ -35,9 +35,10 @@ load from other processes on this machine falls on all alike.
   only once it has seen every session's cgroup (``cgroup.procs`` of
   ``/sys/fs/cgroup/pids/.../agent-backend-<token>/<session>``) hold a process at
   the same time: all 256 in flight together, by state. Target: all in flight,
-  0 errors. Then, with every session idle (open, its command done): processes
-  alive per idle session (its bwrap, the namespace's init, the agent), their
-  PSS (target <= 2 MiB per idle sandbox), and, for information, what an idle
+  0 errors. Then, with every session idle (open, its command done, its agent
+  gone after ``sandbox_agent_idle``): processes alive per idle session (its
+  bwrap and the namespace's init, a shell), their PSS (target <= 2 MiB per idle
+  sandbox), and, for information, what an idle
   session still holds: its memory cgroup's charge, its workspace on disk, its
   uid record; and the PSS of a sandbox while its command runs.
 * **Reconciliation**: an owner process keeps 8 sessions busy in a loop (each
@@ -46,6 +47,15 @@ load from other processes on this machine falls on all alike.
   successor starts on the same workspace root and records and counts what of
   the dead owner is left: processes of sandbox uids (but the successor's own),
   cgroups, uid records, workspaces. Target: 0 of each, over >= 20 points.
+* **Forks**: a workspace of 20,000 files, 500 MB in all (made in a temporary
+  directory, copied in, owned by the workspace's uid), forked into 8
+  copy-on-write copies with ``LocalHost.fork_workspace(path, 8)`` (overlayfs:
+  the base frozen into a layer, an overlay per copy with its own uid and an
+  idmapped view of the layer), against ``cp -a`` of the same tree 8 times on
+  the same disk, in alternating rounds (before each fork the base gets a new
+  file: each fork freezes something). Off the clock, each round checks that a
+  file written in one copy is seen by no other copy nor by the base. Target:
+  <= 50 ms for all 8 copies. ``--only 5`` runs this part alone.
 """
 
 from __future__ import annotations
@@ -65,8 +75,9 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.to_thread
 
-from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch import Dispatcher, Session, builtin_tools
+from agent_backend.dispatch.backend import Command
 from agent_backend.sandbox import SandboxLimits, missing_for_namespaces, sandbox_argv
 from agent_backend.tools import ToolRegistry
 
@@ -79,6 +90,7 @@ MICROVMS = {"CubeSandbox": 60.0, "Firecracker (warm)": 84.0, "Daytona": 90.0}
 MICROVM_BAR = 6.0
 THROUGHPUT_BAR = 0.7
 IDLE_PSS_BAR = 2 << 20
+AGENT_IDLE = 1.0  # seconds an agent stays in an idle sandbox (the pools' default is 5)
 RAW_UID = 65534  # nobody: the uid the raw wrapper chain drops to
 CGROUPS = "/sys/fs/cgroup"
 
@@ -429,6 +441,20 @@ def watch(cgroups: list[str], done: Callable[[], int]) -> tuple[int, float, int,
     return most, when, processes, pss
 
 
+def agents_gone(cgroups: list[str], within: float = 120.0) -> None:
+    """Until no session cgroup holds a Python (its agent), bounded: each has only its shell."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        pythons = 0
+        for cgroup in cgroups:
+            for pid in members(cgroup):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as file:
+                    pythons += file.read().startswith("python")
+        if not pythons:
+            return
+        time.sleep(0.05)
+
+
 async def density(count: int) -> list[tuple[str, bool]]:
     root = f"{tempfile.gettempdir()}/sandbox-bench-{os.getpid()}-density"
     # Not under /tmp: each sandbox's private /tmp would hide it.
@@ -441,7 +467,11 @@ async def density(count: int) -> list[tuple[str, bool]]:
     held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
     command = {"command": f"read line < {fifo}; echo ok"}
     config = namespaces_config(
-        root, max_concurrent_calls=count, spare_workspaces=count, sandbox_read_only=(barrier,)
+        root,
+        max_concurrent_calls=count,
+        spare_workspaces=count,
+        sandbox_read_only=(barrier,),
+        sandbox_agent_idle=AGENT_IDLE,
     )
     outputs: list[str] = []
     idle: list[tuple[int, int, int, int]] = []
@@ -485,7 +515,11 @@ async def density(count: int) -> list[tuple[str, bool]]:
                 active = backend.statistics().calls_active
                 os.write(held, b"\n" * count)  # let them all go
             ran = time.perf_counter() - started
-            # Every session open and idle: what each holds between calls.
+            # Every session open and idle: what each holds between calls, once its agent has
+            # left (sandbox_agent_idle after its last call; the next call starts it again).
+            left = time.perf_counter()
+            await anyio.to_thread.run_sync(agents_gone, cgroups)
+            left = time.perf_counter() - left
             memory = [session_cgroup("memory", tree, ws) for ws in workspaces]
             for pids_dir, memory_dir, workspace in zip(cgroups, memory, workspaces, strict=True):
                 found = members(pids_dir)
@@ -525,8 +559,12 @@ async def density(count: int) -> list[tuple[str, bool]]:
     if running_pss:
         print(
             f"  PSS of a sandbox while its command runs: {running_pss / count / 1024:,.0f} KiB"
-            " (its bwrap, bwrap's init, the agent and the shell)"
+            " (its bwrap, its init (a shell), the agent and the command)"
         )
+    print(
+        f"  every agent left its idle sandbox {left:.2f} s after the calls ended"
+        f" (sandbox_agent_idle = {AGENT_IDLE:g} s)"
+    )
     procs = statistics.mean(p for p, _, _, _ in idle)
     pss = statistics.mean(s for _, s, _, _ in idle)
     charge = statistics.mean(m for _, _, m, _ in idle)
@@ -686,7 +724,122 @@ def bwrap_version() -> str:
     return subprocess.run(["bwrap", "--version"], capture_output=True, text=True).stdout.strip()
 
 
-async def main(quick: bool) -> int:
+# -- 5. forks: copy-on-write copies of a large workspace, against cp -a -----------------------------
+
+FORK_COPIES = 8
+FORK_FILES = 20_000
+FORK_BYTES = 500_000_000
+FORK_BAR_MS = 50.0
+
+
+def make_tree(top: str, files: int, total: int) -> None:
+    """``files`` files of ``total`` bytes in all under the new directory ``top``, 100 a folder."""
+    os.mkdir(top)
+    block = os.urandom(total // files)
+    for index in range(files):
+        folder = os.path.join(top, f"d{index // 100:03d}")
+        if index % 100 == 0:
+            os.mkdir(folder)
+        with open(os.path.join(folder, f"f{index:05d}"), "wb") as file:
+            file.write(block)
+
+
+def fill(tree: str, workspace: str, uid: int) -> None:
+    """Copy ``tree`` into ``workspace``, owned by its sandbox's uid (as if the agent made it)."""
+    subprocess.run(["cp", "-a", f"{tree}/.", workspace], check=True)
+    subprocess.run(["chown", "-R", f"{uid}:{uid}", workspace], check=True)
+
+
+def cp_copies(tree: str, scratch: str, count: int) -> float:
+    """``cp -a`` of ``tree`` ``count`` times, one after the other: the seconds it took (the
+    copies are removed afterwards, off the clock)."""
+    targets = [tempfile.mkdtemp(prefix="copy-", dir=scratch) for _ in range(count)]
+    try:
+        started = time.perf_counter()
+        for target in targets:
+            subprocess.run(["cp", "-a", f"{tree}/.", target], check=True)
+        return time.perf_counter() - started
+    finally:
+        for target in targets:
+            shutil.rmtree(target, ignore_errors=True)
+
+
+async def forks_isolated(host: LocalHost, base: str, copies: list[str], index: int) -> bool:
+    """A file written in the first copy is seen by no other copy nor by the base, and every one
+    holds the tree."""
+    mark = f"written-in-copy-{index}"
+    first = await host.run(Command(shell=f"echo x > {mark}", cwd=copies[0], timeout=60))
+    wrong = 0
+    for path in [*copies[1:], base]:
+        probe = f"test -e {mark} && echo SEEN; ls d199 | wc -l"
+        result = await host.run(Command(shell=probe, cwd=path, timeout=60))
+        words = result.stdout.text().split()
+        wrong += "SEEN" in words or words[-1:] != ["100"]
+    return first.exit_status == 0 and wrong == 0
+
+
+async def forks(rounds: int) -> list[tuple[str, bool]]:
+    root = f"{tempfile.gettempdir()}/sandbox-bench-{os.getpid()}-fork"
+    scratch = tempfile.mkdtemp(prefix="sandbox-bench-fork-", dir="/var/tmp")
+    tree = os.path.join(scratch, "tree")
+    samples: dict[str, list[float]] = {"fork": [], "cp -a": []}
+    isolated = True
+    method = "?"
+    try:
+        await anyio.to_thread.run_sync(make_tree, tree, FORK_FILES, FORK_BYTES)
+        async with LocalBackend(namespaces_config(root, spare_workspaces=2)) as backend:
+            host = backend.host
+            method = host.fork_method
+            base = await host.make_workspace()
+            uid = (await anyio.Path(base).stat()).st_uid
+            await anyio.to_thread.run_sync(fill, tree, base, uid)
+            for index in range(rounds):
+                for name in list(samples) if index % 2 == 0 else list(samples)[::-1]:
+                    if name == "cp -a":
+                        seconds = await anyio.to_thread.run_sync(
+                            cp_copies, tree, scratch, FORK_COPIES
+                        )
+                        samples[name].append(seconds * 1000)
+                        continue
+                    await host.write_file(base, f"round-{index}", b"new since the last fork")
+                    started = time.perf_counter()
+                    copies = await host.fork_workspace(base, FORK_COPIES)
+                    samples[name].append((time.perf_counter() - started) * 1000)
+                    isolated &= await forks_isolated(host, base, copies, index)
+                    for copy in copies:
+                        await host.remove_workspace(copy)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    fork, cp = statistics.median(samples["fork"]), statistics.median(samples["cp -a"])
+    print(
+        f"5. fork: {FORK_COPIES} copies of a workspace of {FORK_FILES:,} files /"
+        f" {FORK_BYTES // 1_000_000} MB, against cp -a x{FORK_COPIES} of the same tree:"
+        f" {rounds} alternating rounds, ms"
+    )
+    print(f"  {'':<40} {'median':>9} {'min':>9} {'x cp -a':>9}")
+    labels = {
+        "fork": f"fork_workspace(path, {FORK_COPIES}) ({method})",
+        "cp -a": f"cp -a x{FORK_COPIES} (same tree, same disk)",
+    }
+    for name, label in labels.items():
+        median = statistics.median(samples[name])
+        print(f"  {label:<40} {median:>9.1f} {min(samples[name]):>9.1f} {median / cp:>8.4f}x")
+    print(
+        "  a file written in one copy, seen by no other copy nor by the base:"
+        f" {'no' if isolated else 'SEEN'}"
+    )
+    return [
+        (
+            f"fork: {FORK_COPIES} copy-on-write copies of {FORK_FILES:,} files /"
+            f" {FORK_BYTES // 1_000_000} MB <= {FORK_BAR_MS:g} ms in all (median {fork:.1f} ms;"
+            f" cp -a x{FORK_COPIES}: {cp:,.0f} ms, {cp / fork:,.0f}x slower), writes isolated",
+            fork <= FORK_BAR_MS and isolated,
+        )
+    ]
+
+
+async def main(quick: bool, only: int | None = None) -> int:
     missing = missing_for_namespaces()
     if missing:
         for what in missing:
@@ -700,7 +853,10 @@ async def main(quick: bool) -> int:
         lambda: throughput(3 if quick else 5, 4 if quick else 12),
         lambda: density(64 if quick else 256),
         lambda: reconciliation(20 if quick else 30),
+        lambda: forks(2 if quick else 4),
     ]
+    if only is not None:
+        parts = [parts[only - 1]]
     verdicts: list[tuple[str, bool]] = []
     for part in parts:
         verdicts += await part()
@@ -716,5 +872,6 @@ async def main(quick: bool) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, 64 sessions at once")
+    parser.add_argument("--only", type=int, choices=range(1, 6), help="run this part (1-5) alone")
     options = parser.parse_args()
-    sys.exit(anyio.run(main, options.quick))
+    sys.exit(anyio.run(main, options.quick, options.only))

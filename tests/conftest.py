@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from support.sshd import SSHKeys, SSHServer, generate_keys, sshd_missing_reason
 from support.vllm_server import needs_vllm, note_need, share_with_workers, start_vllm_server
+from support.walls import passable
 from support.xdist_groups import (
     RUN_FOLDER_KEY,
     make_scheduler,
@@ -26,6 +27,13 @@ from support.xdist_groups import (
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Path:
+    """pytest's ``tmp_path``, passable by other uids (:func:`support.walls.passable`): the
+    default pool's sandboxes must reach workspace roots made under it."""
+    return passable(tmp_path)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reports its collection

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from support.daemon_fixtures import TOKEN, Daemon, daemon_fixture  # noqa: F401
 from support.ports import unused_port
+from support.walls import require_walls
 from typer.testing import CliRunner
 
 from agent_backend.cli import app
@@ -84,6 +85,34 @@ def test_pool_check_reports_each_host(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["pool", "check", str(broken)])
     assert bad.exit_code == 3
     assert "max_concurrent_calls" in bad.stderr
+
+
+def test_the_default_pool_is_walled_and_isolation_none_is_a_choice_on_the_command_line(
+    tmp_path: Path,
+) -> None:
+    require_walls()
+    default = runner.invoke(app, ["pool", "check", str(ROOT / "pools" / "local.toml")])
+    assert default.exit_code == 0, default.output
+    assert "  isolation: namespaces" in default.stdout.splitlines()
+    unconfined = runner.invoke(
+        app, ["pool", "check", str(ROOT / "pools" / "local.toml"), "--isolation", "none"]
+    )
+    assert unconfined.exit_code == 0, unconfined.output
+    assert any(line.startswith("  isolation: none") for line in unconfined.stdout.splitlines())
+    command = '{"command": "ls /proc | grep -c \'^[0-9]\'; id -u"}'
+    inside = runner.invoke(app, ["call", "exec", command])
+    assert inside.exit_code == 0, inside.output
+    processes, uid = (int(word) for word in inside.stdout.split()[:2])
+    assert processes < 10  # its own PID namespace: this host runs many more (pytest, for one)
+    assert uid != os.getuid()  # a uid of its own
+    # A file that only works unconfined cannot be walled from the command line.
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    pool = tmp_path / "cwd.toml"
+    pool.write_text(f'type = "local"\nisolation = "none"\ndefault_cwd = "{scratch}"\n')
+    walled = runner.invoke(app, ["pool", "check", str(pool), "--isolation", "namespaces"])
+    assert walled.exit_code == 3
+    assert "--isolation namespaces: default_cwd cannot be used" in walled.stderr
 
 
 def test_pool_check_on_a_real_ssh_pool(sshd: Any, tmp_path: Path) -> None:

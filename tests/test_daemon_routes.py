@@ -190,6 +190,7 @@ def test_openapi_lists_the_routes_and_needs_a_token(daemon: Daemon) -> None:
         "/v1/batch",
         "/v1/sessions",
         "/v1/sessions/{session_id}",
+        "/v1/sessions/{session_id}/fork",
         "/metrics",
     }
     assert document["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"

@@ -42,7 +42,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    config = LocalPoolConfig(workspace_root=str(tmp_path), kill_grace=0.5)
+    config = LocalPoolConfig(isolation="none", workspace_root=str(tmp_path), kill_grace=0.5)
     async with LocalBackend(config) as backend:
         yield backend
 
@@ -480,7 +480,7 @@ async def test_no_host_up_is_backend_unavailable(pool: LocalBackend) -> None:
 
 
 def test_tools_that_cannot_run_fail_at_construction(tmp_path: Path) -> None:
-    pool = LocalBackend(LocalPoolConfig(workspace_root=str(tmp_path)))
+    pool = LocalBackend(LocalPoolConfig(isolation="none", workspace_root=str(tmp_path)))
     nothing = Tool(name="nothing", meta={}, source="tools/nothing.json")
     with pytest.raises(ConfigError, match="no way to run") as caught:
         Dispatcher(registry(nothing), pool)

@@ -46,7 +46,7 @@ OUTSIDE = "OUTSIDE THE WORKSPACE"
 
 @pytest.fixture
 async def pool(tmp_path: Path) -> AsyncIterator[LocalBackend]:
-    config = LocalPoolConfig(workspace_root=str(tmp_path / "workspaces"))
+    config = LocalPoolConfig(isolation="none", workspace_root=str(tmp_path / "workspaces"))
     async with LocalBackend(config) as backend:
         yield backend
 

@@ -77,10 +77,14 @@ class Target:
 
 
 def _local(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Callable[[], Backend], str]:
-    """The local backend's maker, and the prefix of its workspaces' paths."""
+    """The local backend's maker, and the prefix of its workspaces' paths: without walls, so
+    that its spawn paths are the ones under test (tests/test_sandbox.py runs the namespaces
+    tier's contract: stdin, cwd, env, output, timeouts, process groups)."""
     spawn_on(request.param, request.getfixturevalue("monkeypatch"))
     root = tmp_path / "root"
-    config = LocalPoolConfig(workspace_root=str(root), kill_grace=KILL_GRACE, extra_env=HOST_ENV)
+    config = LocalPoolConfig(
+        isolation="none", workspace_root=str(root), kill_grace=KILL_GRACE, extra_env=HOST_ENV
+    )
     return (lambda: LocalBackend(config)), f"{os.path.realpath(root)}/agent-backend-ws-"
 
 

@@ -52,7 +52,9 @@ async def host(
 ) -> AsyncIterator[LocalHost]:
     """A started local host; every test runs on the three ways of spawning (local_process.py)."""
     spawn_with(request.param, monkeypatch)
-    config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
+    config = LocalPoolConfig(
+        isolation="none", workspace_root=str(tmp_path / "root"), kill_grace=0.5
+    )
     async with LocalBackend(config) as backend:
         yield backend.host
 
@@ -74,7 +76,9 @@ async def test_commands_cost_no_thread_on_the_pidfd_path(
     # Python 3.11's asyncio waits for each child in a thread of its own; beside a busy
     # server those threads fought the event loop for the GIL. With a pidfd, none is made.
     spawn_on("pidfd", monkeypatch)
-    config = LocalPoolConfig(workspace_root=str(tmp_path / "root"), kill_grace=0.5)
+    config = LocalPoolConfig(
+        isolation="none", workspace_root=str(tmp_path / "root"), kill_grace=0.5
+    )
     async with LocalBackend(config) as backend:
         await commands_start_no_thread(backend.host, tmp_path)
 
@@ -103,6 +107,7 @@ async def test_environment_is_only_what_the_config_lets_through(
     monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
     monkeypatch.setenv("PASS_ME", "yes")
     config = LocalPoolConfig(
+        isolation="none",
         workspace_root=str(tmp_path),
         env_passthrough=("PATH", "PASS_ME"),
         extra_env={"FROM_CONFIG": "c", "OVERRIDDEN": "config"},
@@ -226,7 +231,7 @@ async def test_a_gigabyte_of_output_costs_bounded_memory(host: LocalHost) -> Non
 async def test_max_concurrent_calls_queues_and_the_wait_counts_against_the_timeout(
     tmp_path: Path,
 ) -> None:
-    config = LocalPoolConfig(workspace_root=str(tmp_path), max_concurrent_calls=2)
+    config = LocalPoolConfig(isolation="none", workspace_root=str(tmp_path), max_concurrent_calls=2)
     async with LocalBackend(config) as backend:
         host = backend.host
         results = []
@@ -276,7 +281,9 @@ async def test_a_closed_workspace_is_gone_at_once_and_its_tree_removed_after(
         real_remove(path)
 
     monkeypatch.setattr(local_module, "remove_tree", held_remove)
-    backend = LocalBackend(LocalPoolConfig(workspace_root=str(root), spare_workspaces=0))
+    backend = LocalBackend(
+        LocalPoolConfig(isolation="none", workspace_root=str(root), spare_workspaces=0)
+    )
     await backend.start()
     try:
         host = backend.host
@@ -299,7 +306,9 @@ async def test_a_closed_workspace_is_gone_at_once_and_its_tree_removed_after(
 
 async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    backend = LocalBackend(LocalPoolConfig(workspace_root=str(root), kill_grace=0.5))
+    backend = LocalBackend(
+        LocalPoolConfig(isolation="none", workspace_root=str(root), kill_grace=0.5)
+    )
     await backend.start()
     host = backend.host
     workspaces = [await host.make_workspace() for _ in range(3)]
@@ -339,7 +348,9 @@ async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: 
 
 
 async def test_a_missing_default_cwd_fails_at_start(tmp_path: Path) -> None:
-    config = LocalPoolConfig(workspace_root=str(tmp_path), default_cwd=str(tmp_path / "nope"))
+    config = LocalPoolConfig(
+        isolation="none", workspace_root=str(tmp_path), default_cwd=str(tmp_path / "nope")
+    )
     with pytest.raises(BackendUnavailable, match="not a directory"):
         async with LocalBackend(config):
             pass

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 
     async def main():
-        async with LocalBackend(LocalPoolConfig(workspace_root=sys.argv[1])) as backend:
+        async with LocalBackend(LocalPoolConfig(isolation="none", workspace_root=sys.argv[1])) as backend:
             await backend.start()
             path = await backend.host.make_workspace()
             open(path + "/data.txt", "w").write("x" * 100)
@@ -87,7 +87,9 @@ async def test_a_killed_backends_workspace_is_removed_when_the_next_starts(root:
     try:
         child.kill()
         assert child.workspace.is_dir()  # killed: it could not clean up
-        async with LocalBackend(LocalPoolConfig(workspace_root=str(root))) as backend:
+        async with LocalBackend(
+            LocalPoolConfig(isolation="none", workspace_root=str(root))
+        ) as backend:
             await backend.start()
             assert not child.workspace.exists()
             # Only the new backend's own lock and scratch directory are left.
@@ -101,7 +103,9 @@ async def test_a_killed_backends_workspace_is_removed_when_the_next_starts(root:
 async def test_a_live_backends_workspace_is_never_touched(root: Path) -> None:
     child = Child(root)
     try:
-        async with LocalBackend(LocalPoolConfig(workspace_root=str(root))) as backend:
+        async with LocalBackend(
+            LocalPoolConfig(isolation="none", workspace_root=str(root))
+        ) as backend:
             await backend.start()
             assert (child.workspace / "data.txt").read_text() == "x" * 100
         child.close()
@@ -111,7 +115,7 @@ async def test_a_live_backends_workspace_is_never_touched(root: Path) -> None:
 
 
 async def test_two_backends_of_one_process_exclude_each_other(root: Path) -> None:
-    config = LocalPoolConfig(workspace_root=str(root))
+    config = LocalPoolConfig(isolation="none", workspace_root=str(root))
     async with LocalBackend(config) as first:
         await first.start()
         workspace = await first.host.make_workspace()
@@ -125,7 +129,7 @@ async def test_two_backends_of_one_process_exclude_each_other(root: Path) -> Non
 async def test_a_workspace_left_at_close_is_swept_later(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    config = LocalPoolConfig(workspace_root=str(root))
+    config = LocalPoolConfig(isolation="none", workspace_root=str(root))
     backend = LocalBackend(config)
     await backend.start()
     workspace = await backend.host.make_workspace()
@@ -215,7 +219,7 @@ async def test_start_runs_the_sweep_off_the_event_loop(
         return real(path)
 
     monkeypatch.setattr("agent_backend.backends.local.sweep_dead_owners", record)
-    async with LocalBackend(LocalPoolConfig(workspace_root=str(root))) as backend:
+    async with LocalBackend(LocalPoolConfig(isolation="none", workspace_root=str(root))) as backend:
         await backend.start()
     assert len(threads) == 1
     assert threads[0] != threading.get_ident()  # a worker thread, not the event loop's

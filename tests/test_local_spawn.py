@@ -48,7 +48,10 @@ async def host(
 ) -> AsyncIterator[LocalHost]:
     spawn_with(request.param, monkeypatch)
     config = LocalPoolConfig(
-        workspace_root=str(tmp_path / "root"), kill_grace=0.5, max_concurrent_calls=128
+        isolation="none",
+        workspace_root=str(tmp_path / "root"),
+        kill_grace=0.5,
+        max_concurrent_calls=128,
     )
     async with LocalBackend(config) as backend:
         yield backend.host
@@ -88,7 +91,7 @@ async def test_closing_the_backend_gives_back_every_descriptor_and_thread(
     for path in PATHS:
         spawn_with(path, monkeypatch)
         before = open_fds()
-        config = LocalPoolConfig(workspace_root=str(tmp_path / path))
+        config = LocalPoolConfig(isolation="none", workspace_root=str(tmp_path / path))
         async with LocalBackend(config) as backend:
             assert (await backend.host.run(sh("echo hi"))).stdout.data == b"hi\n"
         assert await settled_fds(before) == before, path
@@ -147,6 +150,7 @@ async def test_a_bare_program_name_is_found_on_the_childs_path(
     for path in PATHS:
         spawn_with(path, monkeypatch)
         config = LocalPoolConfig(
+            isolation="none",
             workspace_root=str(tmp_path / path),
             extra_env={"PATH": f"{bin_dir}:{os.environ['PATH']}"},
         )

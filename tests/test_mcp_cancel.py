@@ -1,20 +1,22 @@
-"""Cancellation over MCP ends the command: its process group is killed, its marker never written.
+"""Cancellation over MCP ends the command: its process group is killed, its long sleep gone.
 
-Each test runs ``exec`` with a command that writes its pid, then would write
-a marker file after a delay. Once the pid is there, the client gives up in
-one of the ways MCP has (its read timeout, its caller cancelled, an explicit
-``notifications/cancelled``, a dropped connection); the test then waits,
-bounded, for every process of the command's group to be gone, and checks
-that the marker was never written. On stdio and on the daemon's ``/mcp``.
+Each test runs ``exec`` with a command that sleeps for 600 s, a duration no other process
+has (then would echo). Once that sleep shows in the host's ``/proc`` (the command runs in a
+sandbox, with pids of its own namespace: the test finds it by its command line), the client
+gives up in one of the ways MCP has (its read timeout, its caller cancelled, an explicit
+``notifications/cancelled``, a dropped connection); the test then waits, bounded, for every
+process of the command's host process group, and every process with its sleep's duration in
+its command line, to be gone: a 600 s sleep cannot end by itself within that wait. On stdio
+and on the daemon's ``/mcp``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,7 +27,15 @@ import pytest
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from support.daemon_fixtures import ROOT, Daemon, daemon_fixture  # noqa: F401
-from support.proc_helpers import pid_alive
+from support.proc_helpers import (
+    group_alive,
+    kill_marked,
+    pid_alive,
+    process_group,
+    processes_with,
+    unique_sleep,
+    wait_sleeping,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -33,37 +43,24 @@ _MCP_HEADERS = {"Accept": "application/json, text/event-stream"}
 
 
 class Marked:
-    """A command that writes its pid, then (if never killed) a marker after ``delay`` seconds."""
+    """A command that sleeps 600 s (a duration of its own), then would echo ``finished``."""
 
-    def __init__(self, where: Path, delay: float = 4.0) -> None:
-        self.pid_file = where / "pid"
-        self.marker = where / "marker"
-        self.command = f"echo $$ > {self.pid_file}; sleep {delay}; touch {self.marker}"
+    def __init__(self) -> None:
+        self.marker = unique_sleep()
+        self.command = f"sleep {self.marker}; echo finished"
 
     async def wait_started(self, within: float = 15.0) -> int:
-        await _until(
-            lambda: self.pid_file.exists() and bool(self.pid_file.read_text().strip()), within
-        )
-        return int(self.pid_file.read_text())
+        """The host process group of the command, once its sleep runs."""
+        pid = await wait_sleeping(self.marker, within)
+        pgid = process_group(pid)
+        assert pgid is not None, "the command's sleep ended before the client gave up"
+        return pgid
 
     async def assert_ended(self, pgid: int, within: float = 10.0) -> None:
-        await _until(lambda: not _group_alive(pgid), within)
-        assert not self.marker.exists(), "the command ran on after the client gave up"
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group ``pgid`` still runs (zombies do not count)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
         try:
-            raw = Path(f"/proc/{entry}/stat").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        fields = raw[raw.rfind(b")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+            await _until(lambda: not group_alive(pgid) and not processes_with(self.marker), within)
+        finally:
+            kill_marked(self.marker)
 
 
 async def _until(predicate: Callable[[], bool], within: float = 10.0) -> None:
@@ -93,8 +90,8 @@ def _http_client(daemon: Daemon) -> Callable[[], Any]:
     return open_client
 
 
-async def _read_timeout(client: mcp.Client, tmp_path: Path) -> None:
-    marked = Marked(tmp_path)
+async def _read_timeout(client: mcp.Client) -> None:
+    marked = Marked()
     pid: list[int] = []
 
     async def watch() -> None:
@@ -109,8 +106,8 @@ async def _read_timeout(client: mcp.Client, tmp_path: Path) -> None:
     assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
 
 
-async def _caller_cancelled(client: mcp.Client, tmp_path: Path) -> None:
-    marked = Marked(tmp_path)
+async def _caller_cancelled(client: mcp.Client) -> None:
+    marked = Marked()
     async with anyio.create_task_group() as group:
         group.start_soon(client.call_tool, "exec", {"command": marked.command})
         pid = await marked.wait_started()
@@ -119,18 +116,18 @@ async def _caller_cancelled(client: mcp.Client, tmp_path: Path) -> None:
     assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
 
 
-async def test_stdio_read_timeout_kills_the_command(tmp_path: Path) -> None:
+async def test_stdio_read_timeout_kills_the_command() -> None:
     async with _stdio_client() as client:
-        await _read_timeout(client, tmp_path)
+        await _read_timeout(client)
 
 
-async def test_stdio_cancelled_caller_kills_the_command(tmp_path: Path) -> None:
+async def test_stdio_cancelled_caller_kills_the_command() -> None:
     async with _stdio_client() as client:
-        await _caller_cancelled(client, tmp_path)
+        await _caller_cancelled(client)
 
 
-async def test_stdio_client_gone_kills_the_command(tmp_path: Path) -> None:
-    marked = Marked(tmp_path)
+async def test_stdio_client_gone_kills_the_command() -> None:
+    marked = Marked()
     async with anyio.create_task_group() as group:
 
         async def call() -> None:
@@ -143,9 +140,9 @@ async def test_stdio_client_gone_kills_the_command(tmp_path: Path) -> None:
     await marked.assert_ended(pid)
 
 
-async def test_stdio_writes_nothing_after_stdin_closed(tmp_path: Path) -> None:
+async def test_stdio_writes_nothing_after_stdin_closed() -> None:
     # A client that closed stdin has stopped reading (mcp 1.x fails on a late message).
-    marked = Marked(tmp_path)
+    marked = Marked()
     lines = [
         {
             "jsonrpc": "2.0",
@@ -184,14 +181,14 @@ async def test_stdio_writes_nothing_after_stdin_closed(tmp_path: Path) -> None:
     assert [reply["id"] for reply in replies] == [0]  # initialize's answer, nothing after
 
 
-async def test_http_read_timeout_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+async def test_http_read_timeout_kills_the_command(daemon: Daemon) -> None:
     async with _http_client(daemon)() as client:
-        await _read_timeout(client, tmp_path)
+        await _read_timeout(client)
 
 
-async def test_http_cancelled_caller_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+async def test_http_cancelled_caller_kills_the_command(daemon: Daemon) -> None:
     async with _http_client(daemon)() as client:
-        await _caller_cancelled(client, tmp_path)
+        await _caller_cancelled(client)
 
 
 async def _initialize(http: httpx.AsyncClient) -> dict[str, str]:
@@ -227,9 +224,9 @@ def _call(request_id: int, command: str) -> dict[str, Any]:
 
 
 async def test_http_notifications_cancelled_kills_the_command(
-    daemon: Daemon, tmp_path: Path
+    daemon: Daemon,
 ) -> None:
-    marked = Marked(tmp_path)
+    marked = Marked()
     answers: list[httpx.Response] = []
     async with daemon.async_http(timeout=30) as http:
         headers = await _initialize(http)
@@ -253,8 +250,8 @@ async def test_http_notifications_cancelled_kills_the_command(
     assert answers[0].content == b""
 
 
-async def test_http_delete_ends_the_sessions_calls(daemon: Daemon, tmp_path: Path) -> None:
-    marked = Marked(tmp_path)
+async def test_http_delete_ends_the_sessions_calls(daemon: Daemon) -> None:
+    marked = Marked()
     answers: list[httpx.Response] = []
     async with daemon.async_http(timeout=30) as http:
         headers = await _initialize(http)
@@ -270,19 +267,28 @@ async def test_http_delete_ends_the_sessions_calls(daemon: Daemon, tmp_path: Pat
     assert answers[0].status_code == 202
 
 
-async def test_http_read_timeout_then_leaving_at_once(daemon: Daemon, tmp_path: Path) -> None:
+async def test_http_read_timeout_then_leaving_at_once(daemon: Daemon) -> None:
     # The client gives up and closes straight away (DELETE while the call is being
     # cancelled): nothing the server still sends may crash the closing client.
-    marked = Marked(tmp_path)
-    with pytest.raises(BaseException) as caught:  # noqa: PT011 - the SDK wraps it in groups
-        async with _http_client(daemon)() as client:
-            await client.call_tool("exec", {"command": marked.command}, read_timeout_seconds=2.0)
+    marked = Marked()
+    started: list[int] = []
+
+    async def watch() -> None:
+        started.append(await marked.wait_started())
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(watch)
+        with pytest.raises(BaseException) as caught:  # noqa: PT011 - the SDK wraps it in groups
+            async with _http_client(daemon)() as client:
+                await client.call_tool(
+                    "exec", {"command": marked.command}, read_timeout_seconds=2.0
+                )
     leaves = list(_leaves(caught.value))
     assert leaves, caught.value
     for leaf in leaves:  # the timeout, and nothing else (no ClosedResourceError)
         assert isinstance(leaf, MCPError), repr(leaf)
         assert "timed out" in str(leaf)
-    await marked.assert_ended(await marked.wait_started())
+    await marked.assert_ended(started[0])
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -291,9 +297,9 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-async def test_http_stateless_notifications_cancelled(daemon: Daemon, tmp_path: Path) -> None:
+async def test_http_stateless_notifications_cancelled(daemon: Daemon) -> None:
     # Without a session id, requests and cancellations meet in the token's stateless session.
-    marked = Marked(tmp_path)
+    marked = Marked()
     async with daemon.async_http(timeout=30) as http:
 
         async def call() -> None:
@@ -324,8 +330,8 @@ async def _disconnect_during(daemon: Daemon, marked: Marked, headers: dict[str, 
     return pid
 
 
-async def test_http_disconnect_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
-    marked = Marked(tmp_path)
+async def test_http_disconnect_kills_the_command(daemon: Daemon) -> None:
+    marked = Marked()
     async with daemon.async_http(timeout=30) as http:
         headers = await _initialize(http)
         pid = await _disconnect_during(daemon, marked, headers)
@@ -335,9 +341,9 @@ async def test_http_disconnect_kills_the_command(daemon: Daemon, tmp_path: Path)
         assert after.json()["result"]["content"][0]["text"] == "after\n"
 
 
-async def test_http_client_timeout_kills_the_command(daemon: Daemon, tmp_path: Path) -> None:
+async def test_http_client_timeout_kills_the_command(daemon: Daemon) -> None:
     # An HTTP client's own timeout is a disconnect too.
-    marked = Marked(tmp_path)
+    marked = Marked()
     async with daemon.async_http(timeout=30) as http:
         headers = await _initialize(http)
     started: list[int] = []
@@ -353,13 +359,19 @@ async def test_http_client_timeout_kills_the_command(daemon: Daemon, tmp_path: P
     await marked.assert_ended(started[0])
 
 
-async def test_the_pid_helpers_see_a_live_process(tmp_path: Path) -> None:
-    # The checks above would pass vacuously if _group_alive never saw anything.
-    process = await anyio.open_process(["sleep", "30"], start_new_session=True)
+async def test_the_pid_helpers_see_a_live_process() -> None:
+    # The checks above would pass vacuously if the helpers never saw anything: the same
+    # command, run by a shell of this host in a process group of its own.
+    marked = Marked()
+    process = await anyio.open_process(["sh", "-c", marked.command], start_new_session=True)
     try:
-        await _until(lambda: _group_alive(process.pid))
+        pgid = await marked.wait_started()
+        assert pgid == process.pid
         assert pid_alive(process.pid)
+        assert group_alive(pgid)
+        assert len(processes_with(marked.marker)) == 2  # the shell and its sleep
     finally:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)
         await process.wait()
-    assert not _group_alive(process.pid)
+    await marked.assert_ended(pgid)
+    assert not group_alive(pgid)

@@ -136,7 +136,10 @@ def test_relative_paths_are_relative_to_the_pool_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "conf").mkdir()
-    path = write(tmp_path / "conf", 'type = "local"\nworkspace_root = "ws"\ndefault_cwd = "~/x"\n')
+    path = write(
+        tmp_path / "conf",
+        'type = "local"\nworkspace_root = "ws"\nisolation = "none"\ndefault_cwd = "~/x"\n',
+    )
     monkeypatch.chdir("/")
     monkeypatch.setenv("HOME", "/home/someone")
     config = load_pool_config(path)
@@ -321,7 +324,7 @@ def test_the_cli_takes_a_set_of_pools(tmp_path: Path) -> None:
     path = write(
         tmp_path,
         f'default = "main"\n[pools.main]\ntype = "local"\n'
-        f'[pools.side]\ntype = "local"\ndefault_cwd = "{tmp_path}"\nworkspace_root = "{side}"\n',
+        f'[pools.side]\ntype = "local"\nisolation = "none"\ndefault_cwd = "{tmp_path}"\nworkspace_root = "{side}"\n',
     )
     runner = CliRunner()
     routed = runner.invoke(

@@ -63,7 +63,7 @@ async def walled() -> AsyncIterator[LocalHost]:
 
 @pytest.fixture
 async def open_host() -> AsyncIterator[LocalHost]:
-    async with LocalBackend(LocalPoolConfig(spare_workspaces=0)) as backend:
+    async with LocalBackend(LocalPoolConfig(isolation="none", spare_workspaces=0)) as backend:
         yield backend.host
 
 
@@ -555,3 +555,66 @@ def test_through_the_daemon_a_command_reaches_neither_the_daemon_nor_another_ses
         assert "SIGNALLED" not in out
         assert out.strip().splitlines()[-1] == "0"  # nothing of the daemon's in the environment
         assert secret in run(second, "cat secret")
+
+
+def _sandbox_processes(uid: int) -> dict[int, tuple[str, int]]:
+    """The processes of sandbox uid ``uid``: pid -> (name, PSS in KiB)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != uid:
+                continue
+            name = (entry / "comm").read_text().strip()
+            rollup = (entry / "smaps_rollup").read_text()
+        except OSError:
+            continue
+        pss = next(int(line.split()[1]) for line in rollup.splitlines() if line.startswith("Pss:"))
+        found[int(entry.name)] = (name, pss)
+    return found
+
+
+async def test_an_idle_sandbox_lets_its_agent_go_and_wakes_it_for_the_next_call() -> None:
+    _require_walls()
+    config = LocalPoolConfig(limits=LIMITS, spare_workspaces=0, sandbox_agent_idle=0.2)
+    async with LocalBackend(config) as backend:
+        host = backend.host
+        workspace = await host.make_workspace()
+        first = await sh(host, "echo one > f; cat f", workspace)
+        assert first.stdout.text() == "one\n"
+        uid = (await anyio.Path(workspace).stat()).st_uid
+
+        def agent_gone() -> bool:
+            names = [name for name, _ in _sandbox_processes(uid).values()]
+            return bool(names) and not any(name.startswith("python") for name in names)
+
+        with anyio.fail_after(60):  # 0.2 s of idleness, then a handshake
+            while not agent_gone():  # noqa: ASYNC110 - a state in /proc, not an event
+                await anyio.sleep(0.02)
+        idle = _sandbox_processes(uid)
+        pss = sum(kib for _, kib in idle.values())
+        print(f"\nidle sandbox: {sorted(name for name, _ in idle.values())}, {pss} KiB PSS")
+        assert pss <= 2048, idle
+        # Woken by the next call; and again, many times, with the files kept.
+        for _ in range(3):
+            again = await sh(host, "cat f; echo $$", workspace)
+            assert again.exit_status == 0, again
+            assert again.stdout.text().startswith("one\n")
+            with anyio.fail_after(60):
+                while not agent_gone():  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+        # An agent that dies unasked (killed from outside) ends its sandbox; the next call gets
+        # a new one (and what its last command left is gone with the old one).
+        slow = await sh(host, "sleep 300.5 & echo started", workspace)
+        assert slow.stdout.text() == "started\n"
+        await sh(host, "true", workspace)
+        agents = [pid for pid, (name, _) in _sandbox_processes(uid).items() if "python" in name]
+        assert len(agents) == 1
+        os.kill(agents[0], signal.SIGKILL)
+        with anyio.fail_after(60):  # its shell reports it; the sandbox is ended
+            while _sandbox_processes(uid):  # noqa: ASYNC110 - a state in /proc
+                await anyio.sleep(0.02)
+        after = await sh(host, "cat f", workspace)
+        assert after.stdout.text() == "one\n"
+        assert _processes_with("sleep 300.5") == []

@@ -33,9 +33,10 @@ import logging
 import os
 import posixpath
 import secrets
+import signal
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import ClassVar
 
 import anyio
@@ -70,7 +71,9 @@ from agent_backend.sandbox import (
     AGENT_PYTHON,
     Cgroup,
     CgroupTree,
+    EgressRelay,
     Guarantees,
+    LayerStore,
     Registry,
     closed_ancestor,
     guarantees_of,
@@ -78,6 +81,8 @@ from agent_backend.sandbox import (
     remove_dead_owner,
     sandbox_argv,
 )
+from agent_backend.sandbox.bwrap import SYSTEM_PATHS
+from agent_backend.sandbox.layers import Method, Stack, copy_tree
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
 
@@ -165,6 +170,16 @@ class LocalHost(Host):
         self._registry: Registry | None = None
         self._cgroups: CgroupTree | None = None
         self._walls: dict[str, _Walls] = {}
+        # The loop that reads the sandboxes' agents (set at start; they are made in threads).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._egress: EgressRelay | None = None  # egress_allow: every sandbox's relays
+        # Forks and snapshots (agent_backend.sandbox.layers), and what may not overlap them: the
+        # calls and file operations in flight per workspace, and the forks in progress.
+        self._layers: LayerStore | None = None
+        self._busy: dict[str, int] = {}
+        self._gates: dict[str, anyio.Event] = {}
+        self._starting: dict[str, anyio.Lock] = {}  # a sandbox (re)started for its next call
+        self._unkept: set[str] = set()  # workspaces not the keeper's (forks', graders')
 
     def __repr__(self) -> str:
         return (
@@ -195,13 +210,19 @@ class LocalHost(Host):
 
     def guarantees(self) -> Guarantees:
         """The walls in force around every command of this host."""
-        return guarantees_of(self.config.isolation, self.config.limits)
+        return guarantees_of(
+            self.config.isolation,
+            self.config.limits,
+            egress=self.config.egress_allow,
+            workspace_quota_mb=self.config.workspace_quota_mb,
+        )
 
     async def start(self) -> None:
         if self._closing:
             raise PoolClosed("the local backend is closed")
         if self._started:
             return
+        self._loop = asyncio.get_running_loop()
         root = self.config.workspace_root
         if self._sandboxed and self._registry is None:
             await anyio.to_thread.run_sync(self._open_walls)
@@ -212,6 +233,12 @@ class LocalHost(Host):
             base = root if root is not None else tempfile.gettempdir()
             if self._owner is None:
                 self._owner = await anyio.to_thread.run_sync(OwnerLock.acquire, base)
+                self._layers = LayerStore(
+                    self._owner.root,
+                    self._owner.prefix("layers"),
+                    method=self.fork_method,
+                    quota_mb=self.config.workspace_quota_mb if self._sandboxed else None,
+                )
                 # Workspaces of backends that died without closing (killed, OOM) go now.
                 await anyio.to_thread.run_sync(sweep_dead_owners, base)
             if self.config.default_cwd is None and self._scratch is None:
@@ -241,9 +268,7 @@ class LocalHost(Host):
         if self._keeper is None:  # last: nothing after it can fail and leave its threads
             # Looked up when called: tests slow them down to prove they are off the loop.
             self._keeper = WorkspaceKeeper(
-                # A sandbox binds its workspace by path when it starts, ahead of need: under
-                # walls a spare has its workspace's name from the start, and keeps it.
-                lambda: self._mkdtemp("ws" if self._sandboxed else "spare"),
+                lambda: self._mkdtemp("spare"),
                 self._activate,
                 lambda path: self._remove_tree(path),
                 max_spares=self.config.spare_workspaces,
@@ -252,14 +277,14 @@ class LocalHost(Host):
             )
         self._started = True
 
-    def _mkdtemp(self, kind: str) -> str:
+    def _mkdtemp(self, kind: str, *, layered: bool = False) -> str:
         owner = self._owner
         if owner is None:  # closed while the directory was being asked for
             raise PoolClosed("the local backend is closed")
         path = os.path.realpath(tempfile.mkdtemp(prefix=owner.prefix(kind), dir=owner.root))
         if self._sandboxed:
             try:
-                self._wall_in(path)
+                self._wall_in(path, layered=layered)
             except BaseException:
                 remove_tree(path)
                 raise
@@ -271,7 +296,7 @@ class LocalHost(Host):
         """Check the host can enforce the walls, register as an owner, reconcile dead owners."""
         missing = missing_for_namespaces()
         root = self.config.workspace_root or tempfile.gettempdir()
-        closed = closed_ancestor(os.path.dirname(os.path.realpath(root)))
+        closed = closed_ancestor(root)
         if closed is not None:
             missing.append(
                 f"a workspace_root other users can pass through: {closed} has no o+x, so no "
@@ -286,6 +311,16 @@ class LocalHost(Host):
                 backend="local",
                 host=self.name,
             )
+        if self.config.egress_allow and self._egress is None:
+            try:  # names resolved now, once; closed by _close_walls
+                self._egress = EgressRelay.start(self.config.egress_allow)
+            except OSError as exc:
+                raise SandboxUnavailable(
+                    f"isolation = 'namespaces': egress_allow: {exc.strerror or exc}",
+                    missing=[f"egress_allow destinations this host can resolve ({exc.strerror})"],
+                    backend="local",
+                    host=self.name,
+                ) from exc
         token = secrets.token_hex(8)
         cgroups = CgroupTree(token)
         try:
@@ -311,19 +346,27 @@ class LocalHost(Host):
         _lower_own_oom_score()
         self._registry, self._cgroups = registry, cgroups
 
-    def _wall_in(self, path: str) -> None:
+    def _wall_in(self, path: str, *, layered: bool = False) -> None:
         """Give the new directory ``path`` a sandbox: a uid of its own (owning it), cgroups, and
-        its process started (in a worker thread: spares are made ahead)."""
-        registry, cgroups = self._registry, self._cgroups
-        if registry is None or cgroups is None:
+        its process started (in a worker thread: spares are made ahead).
+
+        ``layered``: an overlay is mounted there next (a fork, a grader), and its sandbox is
+        started at its first call. With a workspace quota, a spare's tmpfs could not be renamed
+        with it: :meth:`make_workspace` mounts it, and its sandbox starts at its first call.
+        """
+        registry, cgroups, layers = self._registry, self._cgroups, self._layers
+        if registry is None or cgroups is None or layers is None:
             raise PoolClosed("the local backend is closed")
         uid = registry.claim_uid()
         walls: _Walls | None = None
         try:
             os.chown(path, uid, uid)
             walls = _Walls(uid, cgroups.make(_suffix(path), self.config.limits))
-            self._start_sandbox(path, walls)
+            if not (layered or (layers.quota_mb is not None and self._is_spare(path))):
+                layers.limit(path, uid)  # the quota's tmpfs, if any
+                self._start_sandbox(path, walls)
         except BaseException:
+            layers.release(path)
             if walls is not None:
                 cgroups.remove(walls.cgroup)
             registry.release_uid(uid)
@@ -334,20 +377,40 @@ class LocalHost(Host):
         cgroups = self._cgroups
         if cgroups is None:
             raise PoolClosed("the local backend is closed")
-        argv = sandbox_argv(
-            agent_argv(AGENT_PYTHON),
-            uid=walls.uid,
-            workspace=root,
-            cwd=root,
-            limits=self.config.limits,
-            read_only=self.config.sandbox_read_only,
-        )
-        walls.process = SandboxProcess.start(
-            argv,
-            env={"PATH": os.defpath, AGENT_VARIABLE: agent_source()},
-            cwd=root,
-            born_in=lambda: cgroups.born_in(walls.cgroup),
-        )
+        egress = self._egress
+        with contextlib.ExitStack() as stack:
+            # egress_allow: the names of its destinations in the sandbox's own /etc/hosts.
+            hosts = stack.enter_context(egress.hosts_fd()) if egress is not None else None
+            # A spare is bound where it will be once it is a workspace (renamed, its sandbox kept).
+            at = self._in_use_path(root)
+            argv = sandbox_argv(
+                agent_argv(AGENT_PYTHON, idle=self.config.sandbox_agent_idle),
+                uid=walls.uid,
+                workspace=root,
+                workspace_at=at,
+                cwd=at,
+                limits=self.config.limits,
+                read_only=self.config.sandbox_read_only,
+                hosts_fd=hosts,
+            )
+            walls.process = SandboxProcess.start(
+                argv,
+                env={"PATH": os.defpath, AGENT_VARIABLE: agent_source()},
+                cwd=root,
+                born_in=lambda: cgroups.born_in(walls.cgroup),
+                egress=egress,
+                pass_fds=() if hosts is None else (hosts,),
+                loop=self._loop,
+            )
+
+    def _in_use_path(self, path: str) -> str:
+        """The path the directory ``path`` has while a session uses it: a spare's workspace name
+        (``-spare-<token>-X`` to ``-ws-<token>-X``), any other directory's own."""
+        owner = self._owner
+        head, name = os.path.split(path)
+        if owner is not None and name.startswith(owner.prefix("spare")):
+            return os.path.join(head, owner.prefix("ws") + name.removeprefix(owner.prefix("spare")))
+        return path
 
     def _remove_tree(self, path: str) -> None:
         """Remove one of our directories, and its sandbox: processes, cgroups, then its uid."""
@@ -357,6 +420,8 @@ class LocalHost(Host):
                 walls.process.stop()
             if self._cgroups is not None:
                 self._cgroups.remove(walls.cgroup)
+        if self._layers is not None:  # its mounts (overlay, quota, a grader's assets)
+            self._layers.release(path)
         remove_tree(path)
         if walls is not None and self._registry is not None:
             self._registry.release_uid(walls.uid)
@@ -422,17 +487,18 @@ class LocalHost(Host):
             return None
         root, walls = found
         if walls.process is None or walls.process.is_dead():
-            if walls.process is not None:
-                walls.process.detach()
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._restart_sandbox, root, walls)
+            # One start for the calls that find it stopped together (after a fork, all at once).
+            async with self._starting.setdefault(root, anyio.Lock()):
+                if walls.process is None or walls.process.is_dead():
+                    if walls.process is not None:
+                        walls.process.detach()
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(self._restart_sandbox, root, walls)
         return walls.process
 
     def _activate(self, spare: str) -> str:
-        """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``);
-        under walls it has that name already."""
-        if self._sandboxed:
-            return spare
+        """Rename a spare to its workspace name (``-spare-<token>-X`` to ``-ws-<token>-X``): under
+        walls, where its sandbox has seen it from the start (:meth:`_in_use_path`)."""
         return self._rename_kind(spare, "spare", "ws")
 
     def _discard(self, path: str) -> str:
@@ -487,6 +553,12 @@ class LocalHost(Host):
                     except OSError as exc:
                         complete = False
                         logger.warning("could not remove %s at close: %s", path, exc)
+                if self._layers is not None:  # snapshots, and the layers they held
+                    try:
+                        await anyio.to_thread.run_sync(self._layers.close)
+                    except OSError as exc:
+                        complete = False
+                        logger.warning("could not remove the layer store at close: %s", exc)
                 await anyio.to_thread.run_sync(self._close_walls, complete)
                 if self._owner is not None:
                     owner, self._owner = self._owner, None
@@ -499,6 +571,9 @@ class LocalHost(Host):
             self._closed.set()
 
     def _close_walls(self, complete: bool) -> None:
+        egress, self._egress = self._egress, None
+        if egress is not None:  # every sandbox's relays are closed: this ends its thread
+            egress.close()
         registry, self._registry = self._registry, None
         cgroups, self._cgroups = self._cgroups, None
         if cgroups is not None:
@@ -542,9 +617,11 @@ class LocalHost(Host):
                         return CommandResult.not_started(
                             self.name, time.monotonic() - started, "the host was busy"
                         )
+                workspace = None
                 try:
                     self._active += 1
                     cwd = command.cwd or self.config.default_cwd or self._scratch
+                    workspace = await self._enter(cwd)  # after a fork of it, if one is under way
                     sandbox = None
                     if self._sandboxed:
                         assert cwd is not None
@@ -561,6 +638,7 @@ class LocalHost(Host):
                         sandbox=sandbox,
                     )
                 finally:
+                    self._leave(workspace)
                     self._active -= 1
                     self._slots.release()
             finally:
@@ -582,6 +660,8 @@ class LocalHost(Host):
                 if self._closing:  # closed while it was being made: do not leak it
                     await anyio.to_thread.run_sync(self._remove_tree, path)
                     raise PoolClosed("the local backend is closed")
+                if self._sandboxed and self.config.workspace_quota_mb is not None:
+                    await self._limit_taken(path)
                 self._workspaces.add(path)
         except OSError as exc:
             raise BackendUnavailable(
@@ -593,10 +673,16 @@ class LocalHost(Host):
         """Remove a workspace this host made; any other path is left alone (never removed)."""
         if path not in self._workspaces:
             return
+        while (gate := self._gates.get(path)) is not None:  # a fork of it under way
+            await gate.wait()
+        if path not in self._workspaces:
+            return
         self._workspaces.discard(path)
+        self._starting.pop(path, None)
         self._detach(path)
         keeper = self._keeper
-        if keeper is None:  # closing: remove it here
+        if path in self._unkept or keeper is None:  # not the keeper's, or closing: here
+            self._unkept.discard(path)
             await anyio.to_thread.run_sync(self._remove_tree, path)
             return
         await keeper.remove(path)
@@ -606,9 +692,14 @@ class LocalHost(Host):
     async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
         self._check_open()
         try:
-            data, size = await anyio.to_thread.run_sync(
-                local_files.read_file, absolute_path(workspace), path, limit, abandon_on_cancel=True
-            )
+            async with self._using(workspace):
+                data, size = await anyio.to_thread.run_sync(
+                    local_files.read_file,
+                    absolute_path(workspace),
+                    path,
+                    limit,
+                    abandon_on_cancel=True,
+                )
         except OSError as exc:
             raise file_error(exc, path, backend="local", host=self.name) from None
         return FileData(data, size)
@@ -618,23 +709,25 @@ class LocalHost(Host):
     ) -> None:
         self._check_open()
         try:
-            await anyio.to_thread.run_sync(
-                local_files.write_file,
-                absolute_path(workspace),
-                path,
-                data,
-                make_parents,
-                abandon_on_cancel=True,
-            )
+            async with self._using(workspace):
+                await anyio.to_thread.run_sync(
+                    local_files.write_file,
+                    absolute_path(workspace),
+                    path,
+                    data,
+                    make_parents,
+                    abandon_on_cancel=True,
+                )
         except OSError as exc:
             raise file_error(exc, path, backend="local", host=self.name) from None
 
     async def list_dir(self, workspace: str, path: str) -> list[DirEntry]:
         self._check_open()
         try:
-            entries = await anyio.to_thread.run_sync(
-                local_files.list_dir, absolute_path(workspace), path, abandon_on_cancel=True
-            )
+            async with self._using(workspace):
+                entries = await anyio.to_thread.run_sync(
+                    local_files.list_dir, absolute_path(workspace), path, abandon_on_cancel=True
+                )
         except OSError as exc:
             raise file_error(exc, path, backend="local", host=self.name) from None
         return [DirEntry.of(*entry) for entry in entries]
@@ -647,6 +740,289 @@ class LocalHost(Host):
         """Empty workspaces made ahead, not yet handed out (``spare_workspaces``); gone at close."""
         keeper = self._keeper
         return keeper.spare_paths() if keeper is not None else frozenset()
+
+    # -- forks and snapshots (agent_backend.sandbox.layers) ----------------------------------------
+
+    @property
+    def fork_method(self) -> Method:
+        """How forks and snapshots copy a workspace: ``overlay`` (copy-on-write layers, under
+        ``isolation = "namespaces"``, as root), or ``copy`` (``cp -a``: ``isolation = "none"``)."""
+        return "overlay" if self._sandboxed else "copy"
+
+    async def fork_workspace(self, path: str, n: int) -> list[str]:
+        """See :meth:`Host.fork_workspace`. Under walls, each copy is an overlay over the
+        frozen layers (:attr:`fork_method`), with a uid, cgroups and a sandbox of its own
+        (started at its first call), as :meth:`make_workspace` gives; without walls, a copy
+        (``cp -a``)."""
+        if n < 1:
+            raise ValueError(f"a fork makes at least one workspace (n = {n})")
+        async with self._frozen(path):
+            try:
+                children = await anyio.to_thread.run_sync(self._fork, path, n)
+            except OSError as exc:
+                raise BackendUnavailable(
+                    f"cannot fork workspace {path}: {exc}", backend="local", host=self.name
+                ) from exc
+            self._workspaces.update(children)
+            self._unkept.update(children)
+        if self._closing:  # they are removed with the rest
+            raise PoolClosed("the local backend was closed while the workspace was forked")
+        return children
+
+    async def snapshot_workspace(self, path: str) -> str:
+        """See :meth:`Host.snapshot_workspace`. Under walls, a read-only view (in the layer
+        store, which no sandbox is shown) of the layers the workspace is frozen into (it goes
+        on as an overlay over them); without walls, a copy."""
+        async with self._frozen(path):
+            try:
+                return await anyio.to_thread.run_sync(self._snapshot, path)
+            except OSError as exc:
+                raise BackendUnavailable(
+                    f"cannot snapshot workspace {path}: {exc}", backend="local", host=self.name
+                ) from exc
+
+    async def remove_snapshot(self, snapshot: str) -> None:
+        """Remove a snapshot this host made; any other path is left alone (never removed)."""
+        layers = self._layers
+        if layers is None or snapshot not in layers.snapshots():
+            return
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(layers.remove_snapshot, snapshot)
+
+    async def run_on_snapshot(
+        self, snapshot: str, command: Command, *, assets: Sequence[str] = ()
+    ) -> CommandResult:
+        """See :meth:`Host.run_on_snapshot`. Under walls, the grader's sandbox is a new one
+        (uid, cgroups), its workspace an overlay over the snapshot's layers, the assets bound
+        read-only into it alone; an asset that some sandbox is shown (a system directory,
+        ``sandbox_read_only``, a workspace) is refused with ValueError. Without walls, the
+        workspace is a copy and the assets are symbolic links (nothing is hidden)."""
+        self._check_open()
+        layers = self._layers
+        if layers is None or snapshot not in layers.snapshots():
+            raise PoolError(f"{snapshot!r} is not a snapshot of this host (or it was removed)")
+        shown = [absolute_path(asset) for asset in assets]
+        names = [posixpath.basename(asset.rstrip("/")) for asset in shown]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"assets must have distinct, non-empty base names: {names}")
+        if command.cwd is not None and (
+            posixpath.isabs(command.cwd) or posixpath.normpath(command.cwd).startswith("..")
+        ):
+            raise ValueError("a grading command's cwd is relative to its fresh workspace")
+        # What some sandbox is shown: system directories, sandbox_read_only, each workspace.
+        visible = [*SYSTEM_PATHS, *self.config.sandbox_read_only, *self._workspaces]
+        visible += [self._scratch] if self._scratch is not None else []
+        with anyio.CancelScope(shield=True):  # once made, it is removed below (or at close)
+            try:
+                grader = await anyio.to_thread.run_sync(
+                    self._make_grader, snapshot, shown, visible if self._sandboxed else []
+                )
+            except OSError as exc:
+                raise BackendUnavailable(
+                    f"cannot make a grading workspace: {exc}", backend="local", host=self.name
+                ) from exc
+            self._workspaces.add(grader)
+            self._unkept.add(grader)
+        try:
+            workspace = posixpath.join(grader, "workspace")
+            cwd = posixpath.normpath(posixpath.join(workspace, command.cwd or "."))
+            env = {"GRADER_ASSETS": posixpath.join(grader, "assets"), **command.env}
+            return await self.run(dataclasses.replace(command, cwd=cwd, env=env))
+        finally:
+            with anyio.CancelScope(shield=True):
+                # Its mounts first: the workspace is then a plain tree, renamed away and removed.
+                await anyio.to_thread.run_sync(layers.release, grader)
+                await self.remove_workspace(grader)
+
+    def _is_spare(self, path: str) -> bool:
+        owner = self._owner
+        return owner is not None and os.path.basename(path).startswith(owner.prefix("spare"))
+
+    async def _limit_taken(self, path: str) -> None:
+        """Mount the quota's tmpfs at a workspace just taken (its sandbox starts at its first
+        call, and binds it then)."""
+        walls, layers = self._walls.get(_suffix(path)), self._layers
+        if walls is None or layers is None:
+            raise PoolClosed("the local backend is closed")
+        try:
+            await anyio.to_thread.run_sync(layers.limit, path, walls.uid)
+        except BaseException:
+            self._workspaces.add(path)  # to go the way every workspace goes
+            await self.remove_workspace(path)
+            raise
+
+    def _workspace_of(self, cwd: str) -> str | None:
+        """The workspace ``cwd`` is in (None: none of ours)."""
+        path = cwd
+        for _ in range(256):
+            if path in self._workspaces:
+                return path
+            parent = posixpath.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        return None
+
+    async def _enter(self, cwd: str | None) -> str | None:
+        """Count a call or file operation in the workspace ``cwd`` is in, once no fork of it is
+        under way; that workspace, for :meth:`_leave`."""
+        workspace = self._workspace_of(cwd) if cwd else None
+        if workspace is None:
+            return None
+        while (gate := self._gates.get(workspace)) is not None:
+            await gate.wait()
+        self._busy[workspace] = self._busy.get(workspace, 0) + 1
+        return workspace
+
+    def _leave(self, workspace: str | None) -> None:
+        if workspace is not None:
+            left = self._busy.pop(workspace, 1) - 1
+            if left:
+                self._busy[workspace] = left
+
+    @contextlib.asynccontextmanager
+    async def _using(self, workspace: str) -> AsyncIterator[None]:
+        entered = await self._enter(workspace)
+        try:
+            yield
+        finally:
+            self._leave(entered)
+
+    @contextlib.asynccontextmanager
+    async def _frozen(self, path: str) -> AsyncIterator[None]:
+        """Workspace ``path`` with no call or file operation in flight, none started until the
+        end (they wait), its sandbox's watcher detached; shielded, and waited for by aclose()."""
+        self._check_open()
+        if path not in self._workspaces:
+            raise PoolError(f"{path!r} is not a workspace of this host")
+        busy = self._busy.get(path, 0)
+        if busy or path in self._gates:
+            raise PoolError(
+                f"workspace {path} is busy ({busy} call(s) or file operation(s) in flight, or "
+                "a fork or snapshot of it under way): fork or snapshot it between calls"
+            )
+        gate = self._gates[path] = anyio.Event()
+        with anyio.CancelScope() as scope:
+            self._calls.add(scope)
+            try:
+                with anyio.CancelScope(shield=True):
+                    self._detach(path)
+                    yield
+            finally:
+                del self._gates[path]
+                gate.set()
+                self._calls.discard(scope)
+                if not self._calls and self._calls_done is not None:
+                    self._calls_done.set()
+
+    def _fork(self, path: str, n: int) -> list[str]:
+        """In a worker thread: ``n`` new workspaces, copies of ``path``."""
+        layers = self._layers
+        assert layers is not None
+        children: list[str] = []
+        try:
+            if layers.method == "copy":
+                for _ in range(n):
+                    children.append(self._mkdtemp("ws"))
+                    copy_tree(path, children[-1])
+                return children
+            walls = self._walls.get(_suffix(path))
+            if walls is None:
+                raise PoolClosed("the local backend is closed")
+            if walls.process is not None and layers.needs_freeze(path):
+                # Ended first: its processes exit while the copies' walls are made.
+                walls.process.stop()
+                walls.process = None
+
+            def make() -> tuple[str, int]:
+                children.append(self._mkdtemp("ws", layered=True))
+                return children[-1], self._walls[_suffix(children[-1])].uid
+
+            layers.fork(path, walls.uid, n, make=make, stop=lambda: self._stop_sandbox(walls))
+        except BaseException:
+            for child in children:
+                try:
+                    self._remove_tree(child)
+                except OSError as exc:
+                    logger.warning("could not remove %s after a failed fork: %s", child, exc)
+            raise
+        return children
+
+    def _freeze(self, path: str) -> Stack:
+        """In a worker thread: what workspace ``path`` shows, frozen."""
+        walls, layers = self._walls.get(_suffix(path)), self._layers
+        if walls is None or layers is None:
+            raise PoolClosed("the local backend is closed")
+        if not layers.needs_freeze(path):
+            return layers.stack(path)
+        self._stop_sandbox(walls)
+        return layers.freeze(path, walls.uid)
+
+    def _stop_sandbox(self, walls: _Walls) -> None:
+        """In a worker thread, before a freeze: end the sandbox (it binds the directory about
+        to be frozen); it starts again, over the new mount, at its next call.
+
+        Every process left in its cgroups is sent SIGKILL, once: none runs again, so none can
+        write what is frozen next; waiting for them to be gone (and emptying the cgroups) is
+        left to the next start (:meth:`_restart_sandbox`).
+        """
+        if walls.process is not None:
+            walls.process.stop()
+            walls.process = None
+        for directory in walls.cgroup.directories:
+            with contextlib.suppress(FileNotFoundError), open(f"{directory}/cgroup.procs") as procs:
+                for pid in procs.read().split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+
+    def _snapshot(self, path: str) -> str:
+        layers = self._layers
+        assert layers is not None
+        if layers.method == "copy":
+            return layers.copy_snapshot(path)
+        return layers.snapshot(self._freeze(path))
+
+    def _make_grader(self, snapshot: str, assets: list[str], visible: list[str]) -> str:
+        """In a worker thread: a fresh sandbox's directory, ``workspace/`` in it a writable copy of
+        ``snapshot``, ``assets/`` the ``assets`` read-only, none of them at or below a path of
+        ``visible`` (some sandbox is shown those)."""
+        layers = self._layers
+        assert layers is not None
+        _check_assets(assets, visible)
+        grader = self._mkdtemp("ws", layered=True)
+        try:
+            workspace = os.path.join(grader, "workspace")
+            os.mkdir(workspace, 0o700)
+            if layers.method == "copy":
+                copy_tree(snapshot, workspace)
+            else:
+                uid = self._walls[_suffix(grader)].uid
+                os.chown(workspace, uid, uid)
+                try:
+                    stack = layers.snapshot_stack(snapshot)
+                except KeyError:
+                    raise PoolError(f"snapshot {snapshot!r} was removed meanwhile") from None
+                layers.mount([(workspace, uid)], stack)
+            layers.show(os.path.join(grader, "assets"), grader, assets)
+        except BaseException:
+            self._remove_tree(grader)
+            raise
+        return grader
+
+
+def _check_assets(assets: list[str], visible: list[str]) -> None:
+    """Refuse an asset that does not exist, or that is at or below a path of ``visible``."""
+    for asset in assets:
+        if not os.path.exists(asset):
+            raise ValueError(f"asset {asset!r} does not exist")
+        real = os.path.realpath(asset)
+        for seen in visible:
+            top = os.path.realpath(seen).rstrip("/") + "/"
+            if (real + "/").startswith(top):
+                raise ValueError(
+                    f"asset {asset!r} is in {seen}, which a sandbox is shown: keep grading "
+                    "assets where no agent's sandbox can see them"
+                )
 
 
 class LocalBackend(Backend):

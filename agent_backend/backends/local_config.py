@@ -12,7 +12,7 @@ import pydantic
 
 from agent_backend.config import ConfigModel, ConfigPath
 from agent_backend.dispatch.spec import EnvName
-from agent_backend.sandbox import Isolation, SandboxLimits
+from agent_backend.sandbox import EgressEntry, Isolation, SandboxLimits
 
 __all__ = ["LocalPoolConfig"]
 
@@ -53,19 +53,45 @@ class LocalPoolConfig(ConfigModel):
     spare_workspaces: int = pydantic.Field(default=64, ge=0, le=4096)
     """Empty workspaces kept made ahead, as many as were ever in use at once but at most this
     many, so that opening a session costs no disk operation. 0: each is made when asked for."""
-    isolation: Isolation = "none"
-    """The walls around every command (docs/sandboxes.md). ``namespaces``: each call in its own
-    PID, mount, network, IPC and UTS namespaces, as a uid of its session's own, within
-    ``limits``; the pool refuses to start where the host cannot enforce that. ``none``: as this
-    process's user, with nothing between a command and the host."""
+    isolation: Isolation = "namespaces"
+    """The walls around every command (docs/sandboxes.md). ``namespaces`` (the default): each
+    session in its own PID, mount, network, IPC and UTS namespaces, as a uid of its own, within
+    ``limits``; the pool refuses to start where the host cannot enforce that, and says what is
+    missing. ``none``: as this process's user, with nothing between a command and the host (a
+    trusted model on a developer's machine; ``--isolation none`` on the command line)."""
     limits: SandboxLimits = pydantic.Field(default_factory=SandboxLimits)
     """Per-session limits under ``isolation = "namespaces"`` (``[limits]`` in a pool file)."""
+    workspace_quota_mb: int | None = pydantic.Field(default=None, ge=1, le=1 << 30)
+    """The most a session's workspace may hold, in MiB, under ``isolation = "namespaces"``: each
+    workspace (a fork's own changes, a grader's) is a tmpfs of this size, owned by its uid, and
+    a write past it fails with ENOSPC. Its pages are memory, charged to the memory cgroup of
+    whoever wrote them (``limits.memory_mb`` of its session). None: no quota, the workspace root's
+    filesystem is the bound. Not allowed under ``isolation = "none"`` (nothing would enforce it)."""
     sandbox_read_only: tuple[ConfigPath, ...] = ()
     """More host paths every sandbox sees read-only at their own paths (a virtual environment,
     a dataset), beside the system directories; only under ``isolation = "namespaces"``."""
+    sandbox_agent_idle: float | None = pydantic.Field(default=5.0, gt=0, le=86400)
+    """Seconds a sandbox's agent (the Python program that starts its commands) stays without a
+    call before it leaves; the next call starts it again (a few tens of ms). An idle sandbox then
+    holds only its init, a shell (under 1 MB). None: agents stay for the sandbox's whole life."""
     sandbox_state_dir: ConfigPath = "/run/agent-backend"
     """Where sandboxing backends on this host record what they own (their uids), so that one
     that starts after another died removes what the dead one left (and nothing of a live one)."""
+    egress_allow: tuple[EgressEntry, ...] = ()
+    """The only destinations (``host:port``) a sandbox may open TCP connections to, relayed
+    by this process (docs/sandboxes.md, "Egress"); anything else stays unreachable. A host is
+    an IPv4 address, an IPv6 one in brackets, or a name, resolved once when the pool starts and
+    written in every sandbox's ``/etc/hosts``. Under ``isolation = "none"`` nothing is
+    restricted and this is not used."""
+
+    @pydantic.model_validator(mode="after")
+    def _quota_enforced(self) -> LocalPoolConfig:
+        if self.isolation == "none" and self.workspace_quota_mb is not None:
+            raise ValueError(
+                "workspace_quota_mb needs isolation = 'namespaces' (a tmpfs per workspace): "
+                "under 'none' nothing would enforce it"
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _walls_fit(self) -> LocalPoolConfig:

@@ -8,11 +8,13 @@ killed (SIGKILL, the OOM killer, a Ray worker killed mid-episode) cannot. So:
   root for as long as it is open, and names its directories
   ``agent-backend-ws-<token>-*``, ``agent-backend-spare-<token>-*`` (spare
   workspaces, made ahead), ``agent-backend-trash-<token>-*`` (closed
-  workspaces waiting to be removed) and ``agent-backend-scratch-<token>-*``;
+  workspaces waiting to be removed), ``agent-backend-scratch-<token>-*`` and
+  ``agent-backend-layers-<token>-*`` (its layer store: forks and snapshots);
 * the kernel releases the lock when the process dies, however it dies;
 * a backend that starts takes every owner lock it can in its root: each one
-  it gets belongs to an owner that is gone, whose directories it removes,
-  then the lock file.
+  it gets belongs to an owner that is gone, whose directories it removes
+  (what is mounted in them first: overlays, quota tmpfs, layers, found in
+  ``/proc/self/mountinfo`` and detached), then the lock file.
 
 ``flock`` locks belong to an open file description, so two backends of one
 process exclude each other too; the descriptor is close-on-exec, so a tool's
@@ -37,6 +39,7 @@ import secrets
 import shutil
 import stat
 
+from agent_backend.sandbox.layers import mount_points, unmount_beneath
 from agent_backend.sandbox.registry import is_sandbox_uid
 
 __all__ = ["OwnerLock", "remove_tree", "sweep_dead_owners"]
@@ -45,7 +48,7 @@ logger = logging.getLogger("agent_backend.backends.local")
 
 _PREFIX = "agent-backend-"
 _LOCK = re.compile(r"agent-backend-owner-([0-9a-f]{16})\.lock(\.tmp)?\Z")
-_OWNED = re.compile(r"agent-backend-(?:ws|spare|trash|scratch)-([0-9a-f]{16})-")
+_OWNED = re.compile(r"agent-backend-(?:ws|spare|trash|scratch|layers)-([0-9a-f]{16})-")
 _ATTEMPTS = 5
 
 
@@ -85,7 +88,7 @@ class OwnerLock:
     def prefix(self, kind: str) -> str:
         """The name prefix of this owner's directories of ``kind``.
 
-        ``ws``, ``spare``, ``trash`` or ``scratch``.
+        ``ws``, ``spare``, ``trash``, ``scratch`` or ``layers``.
         """
         return f"{_PREFIX}{kind}-{self.token}-"
 
@@ -150,9 +153,11 @@ def _sweep_owner(root: str, lock_name: str, directories: list[str]) -> list[str]
         if os.fstat(fd).st_uid != os.getuid():
             return []
         complete = True
+        points = mount_points() if directories else []
         for name in sorted(directories):
             target = os.path.join(root, name)
             try:
+                unmount_beneath(target, points)  # a dead owner's mounts go before its trees
                 if _remove_owned(target):
                     removed.append(target)
             except OSError as exc:

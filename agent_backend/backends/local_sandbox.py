@@ -17,6 +17,11 @@ backend then empties the cgroups (:meth:`CgroupTree.remove` freezes them first).
 A sandbox that dies on its own (its agent killed by the OOM killer) fails the
 calls in flight and is started again for the next one.
 
+With an egress allow-list, the agent's ready message carries its network
+namespace, which the pool's :class:`~agent_backend.sandbox.EgressRelay` gives its
+listeners before the sandbox is used; they are closed when the sandbox is stopped
+(and opened anew in a sandbox started again).
+
 This module must never block the event loop (a sandbox is started and stopped
 in a worker thread); its messages are read by an event-loop callback.
 """
@@ -40,6 +45,7 @@ from typing import Any
 
 from agent_backend.backends.local_process import PipedChild, child_pipes
 from agent_backend.dispatch.output import OutputBuffer
+from agent_backend.sandbox import EgressRelay, SandboxRelays
 
 __all__ = [
     "AGENT_VARIABLE",
@@ -54,6 +60,8 @@ logger = logging.getLogger("agent_backend.backends.local")
 
 _AGENT_SOURCE: str | None = None
 _READY_SECONDS = 60.0
+_READY_FDS = 4
+_DETACH_SECONDS = 5.0
 
 
 #: The variable that hands the agent its program (the sandbox cannot see this package's files);
@@ -61,9 +69,28 @@ _READY_SECONDS = 60.0
 AGENT_VARIABLE = "AGENT_BACKEND_AGENT"
 
 
-def agent_argv(python: str) -> list[str]:
-    """The argv of the agent: ``python`` running the program in :data:`AGENT_VARIABLE`."""
-    return [python, "-I", "-S", "-c", f"import os; exec(os.environ.pop({AGENT_VARIABLE!r}))"]
+# The sandbox's PID 1: runs the agent, says when it exited, and waits for a wake-up (one
+# message of one newline on the socket, its stdin) to run it again; an agent that failed (killed,
+# out of memory) ends it, and the kernel the whole namespace. An idle sandbox is then this shell
+# alone. $1..: the agent's argv.
+_INIT = (
+    'while :; do "$@"; s=$?; printf \'{"exited": %d}\' "$s" >&0; '
+    '[ "$s" -eq 0 ] || exit "$s"; read -r _ || exit 0; done'
+)
+_WAKE = b"\n"
+
+
+def agent_argv(python: str, *, idle: float | None = None) -> list[str]:
+    """The argv of a sandbox's program: a shell as its PID 1 that runs the agent (``python``
+    running the program in :data:`AGENT_VARIABLE`), and again whenever it is woken.
+
+    ``idle``: seconds without a call after which the agent asks to leave (its sandbox then
+    holds no Python, only the shell); None: it stays.
+    """
+    agent = [python, "-I", "-S", "-c", f"import os; exec(os.environ.pop({AGENT_VARIABLE!r}))"]
+    if idle is not None:
+        agent.append(repr(float(idle)))
+    return ["/bin/sh", "-c", _INIT, "sandbox-init", *agent]
 
 
 def agent_source() -> str:
@@ -129,9 +156,15 @@ class SandboxProcess:
         self._next = 0
         self._dead = False
         self._lock = threading.Lock()
+        self.relays: SandboxRelays | None = None
+        """Its egress listeners and relayed connections (a pool with ``egress_allow``)."""
+        self._asleep = False
+        """The agent was let go: the next message is preceded by a wake-up."""
+        self._leaving = 0
+        """Agents let go whose exit has not been reported yet."""
 
     def __repr__(self) -> str:
-        state = "dead" if self._dead else "alive"
+        state = "dead" if self._dead else "asleep" if self._asleep else "alive"
         return f"<SandboxProcess pid={self.pid} [calls: {len(self._calls)}] {state}>"
 
     @classmethod
@@ -142,9 +175,18 @@ class SandboxProcess:
         env: Mapping[str, str],
         cwd: str,
         born_in: Callable[[], contextlib.AbstractContextManager[None]],
+        egress: EgressRelay | None = None,
+        pass_fds: Sequence[int] = (),
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> SandboxProcess:
         """Start the sandbox ``argv`` (its agent's stdin our socket), inside ``born_in()``: the
-        calling thread in the sandbox's cgroups for the spawn. Blocks: call from a thread."""
+        calling thread in the sandbox's cgroups for the spawn. Blocks: call from a thread.
+
+        ``egress``: the relay that gives the sandbox's network namespace its listeners once the
+        agent is up. ``pass_fds``: descriptors ``argv`` reads (bubblewrap's ``--ro-bind-data``).
+        ``loop``: the event loop that reads the agent's messages from the start (an idle agent
+        asks it to leave), before any call.
+        """
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             with born_in():
@@ -156,6 +198,7 @@ class SandboxProcess:
                     cwd=cwd,
                     env=dict(env),
                     close_fds=True,
+                    pass_fds=tuple(pass_fds),
                     process_group=0,
                 )
         except BaseException:
@@ -165,32 +208,65 @@ class SandboxProcess:
             theirs.close()
         sandbox = cls(popen, ours)
         try:
-            sandbox._wait_ready()
+            netns = sandbox._wait_ready()
+            try:
+                if egress is not None:
+                    sandbox.relays = sandbox._open_relays(egress, netns)
+            finally:
+                if netns is not None:
+                    os.close(netns)
         except BaseException:
             sandbox.stop()
             raise
         ours.setblocking(False)
+        if loop is not None:
+            loop.call_soon_threadsafe(sandbox._attach_to, loop)
         return sandbox
 
-    def _wait_ready(self) -> None:
-        """Until the agent says it is ready (a spare is warm: its first call waits for nothing)."""
+    def _wait_ready(self) -> int | None:
+        """Until the agent says it is ready (a spare is warm: its first call waits for nothing);
+        the descriptor of its network namespace that came with it (the caller closes it)."""
         self._control.settimeout(_READY_SECONDS)
+        fds = array.array("i")
         try:
-            data = self._control.recv(1 << 12)
+            data, ancillary, _flags, _address = self._control.recvmsg(
+                1 << 12, socket.CMSG_SPACE(_READY_FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+            )
         except TimeoutError as exc:
             raise SandboxDied(
                 0, f"the sandbox's agent did not start in {_READY_SECONDS:g} s"
             ) from exc
         except OSError:
-            data = b""
-        if not data:
-            raise SandboxDied(0, self.why_dead() or "the sandbox exited as it started")
+            data, ancillary = b"", []
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+        for extra in fds[1:]:
+            os.close(extra)
+        netns = fds[0] if fds else None
         try:
-            ready = json.loads(data).get("ready")
-        except (ValueError, AttributeError):
-            ready = None
-        if ready is None:
-            raise SandboxDied(0, "the sandbox's agent did not say it was ready")
+            if not data:
+                raise SandboxDied(0, self.why_dead() or "the sandbox exited as it started")
+            try:
+                ready = json.loads(data).get("ready")
+            except (ValueError, AttributeError):
+                ready = None
+            if ready is None:
+                raise SandboxDied(0, "the sandbox's agent did not say it was ready")
+        except BaseException:
+            if netns is not None:
+                os.close(netns)
+            raise
+        return netns
+
+    @staticmethod
+    def _open_relays(egress: EgressRelay, netns: int | None) -> SandboxRelays:
+        if netns is None:
+            raise SandboxDied(0, "the sandbox's agent did not hand over its network namespace")
+        try:
+            return egress.open(netns)
+        except OSError as exc:
+            raise SandboxDied(exc.errno or 0, exc.strerror or str(exc)) from exc
 
     def is_dead(self) -> bool:
         return self._dead or self.popen.poll() is not None
@@ -211,11 +287,16 @@ class SandboxProcess:
     def _attach(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
         if self._loop is None:
-            self._loop = loop
-            loop.add_reader(self._control.fileno(), self._on_message)
+            self._attach_to(loop)
         elif self._loop is not loop:
             raise RuntimeError("a sandbox is used from one event loop only")
         return loop
+
+    def _attach_to(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the agent's messages on ``loop`` (which runs this)."""
+        if self._loop is None and not self._dead:
+            self._loop = loop
+            loop.add_reader(self._control.fileno(), self._on_message)
 
     async def run(
         self,
@@ -265,6 +346,9 @@ class SandboxProcess:
             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
         )
         try:
+            if self._asleep:  # its shell starts the agent again, which reads what follows
+                self._control.send(_WAKE)
+                self._asleep = False
             self._control.sendmsg([data], ancillary)
         except BlockingIOError as exc:  # 200 KB of unread requests: the agent is stuck
             raise SandboxDied(exc.errno, "the session's sandbox does not answer") from exc
@@ -294,6 +378,10 @@ class SandboxProcess:
                 os.killpg(self.pid, signal.SIGKILL)
             return
         if pending is None:
+            if message.get("idle") is not None:
+                self._let_go()
+            elif "exited" in message:
+                self._agent_exited(message["exited"])
             return
         if "pid" in message:
             if not pending.started.done():
@@ -308,6 +396,24 @@ class SandboxProcess:
             pending.exited, pending.code = True, int(message["exit"])
             if pending.child is not None:
                 pending.child._exit_known(pending.code)
+
+    def _let_go(self) -> None:
+        """An idle agent asks to leave: let it, unless a call came meanwhile (it gets that)."""
+        if self._calls or self._asleep or self._dead:
+            return
+        self.send({"op": "leave"})
+        self._asleep, self._leaving = True, self._leaving + 1
+
+    def _agent_exited(self, status: object) -> None:
+        """The sandbox's shell says its agent exited: as let go, or it died (killed, out of
+        memory): then the sandbox is ended, and made again for the next call."""
+        if self._leaving and status == 0:
+            self._leaving -= 1
+            return
+        logger.warning("a sandbox's agent exited unasked (status %s); ending that sandbox", status)
+        self._died()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
 
     def _died(self) -> None:
         """The agent is gone: every call in flight ends with its status unknown."""
@@ -333,12 +439,47 @@ class SandboxProcess:
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(self._control.fileno())
 
+    def _detach_from_thread(self) -> None:
+        """:meth:`detach`, run by the loop that reads the socket, from any thread: waited for
+        (bounded), unless that loop is closed."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self._loop = None
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self.detach()
+            return
+        done = threading.Event()
+
+        def detach() -> None:
+            self.detach()
+            done.set()
+
+        try:
+            loop.call_soon_threadsafe(detach)
+        except RuntimeError:  # closed meanwhile
+            self._loop = None
+            return
+        done.wait(_DETACH_SECONDS)
+
     def stop(self) -> None:
-        """Kill the sandbox (its outer process; the kernel takes the rest) and reap it. Blocks."""
+        """Kill the sandbox (its outer process; the kernel takes the rest), reap it and close its
+        egress relays. Blocks."""
         self._dead = True
+        self._detach_from_thread()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         self.popen.wait()
+        relays, self.relays = self.relays, None
+        if relays is not None:
+            try:
+                relays.close()
+            except OSError as exc:  # the relay's thread is stuck: its close() ends them all
+                logger.warning("cannot close a sandbox's egress relays: %s", exc)
         if self.popen.stderr is not None:
             self.popen.stderr.close()
         self._control.close()

@@ -40,6 +40,7 @@ from agent_backend.wire import (
     API_PREFIX,
     IDEMPOTENCY_HEADER,
     BatchResponse,
+    ForkResponse,
     Readiness,
     SessionInfo,
     ToolResult,
@@ -367,7 +368,9 @@ class RemoteSession(AsyncResource):
         return self.id
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        """Open the session; one open already (a fork) is entered as it is, to be closed on exit."""
+        if self._state != "open":
+            await self.open()
         return self
 
     async def open(self) -> None:
@@ -379,6 +382,24 @@ class RemoteSession(AsyncResource):
         info = SessionInfo.model_validate_json(answer)
         self.id, self.host, self.workspace = info.id, info.host, info.workspace
         self._state = "open"
+
+    async def fork(self, n: int) -> list[RemoteSession]:
+        """``n`` new open sessions whose workspaces start as copies of this one's (between
+        calls; :meth:`agent_backend.dispatch.Session.fork`); close each."""
+        session_id = self._require_open()
+        _, answer = await self.client._request(
+            "POST",
+            f"{API_PREFIX}/sessions/{session_id}/fork",
+            body={"n": n},
+            key=uuid.uuid4().hex,
+        )
+        forks = []
+        for info in ForkResponse.model_validate_json(answer).sessions:
+            fork = RemoteSession(self.client)
+            fork.id, fork.host, fork.workspace = info.id, info.host, info.workspace
+            fork._state = "open"
+            forks.append(fork)
+        return forks
 
     async def aclose(self) -> None:
         """Close the session on the daemon; idempotent (a session already gone is fine)."""

@@ -9,6 +9,7 @@ GET      /v1/tools?format=openai    the tool list (openai, anthropic or mcp shap
 POST     /v1/call                   one call -> ToolResult
 POST     /v1/batch                  independent calls, run concurrently -> results in order
 POST     /v1/sessions               open a session -> {id, host, workspace}
+POST     /v1/sessions/{id}/fork     {n} sessions starting as copies of it -> {sessions}
 DELETE   /v1/sessions/{id}          close it
 GET      /metrics                   Prometheus text exposition
 GET      /openapi.json              this API's OpenAPI document
@@ -66,6 +67,8 @@ from agent_backend.wire import (
     BatchResponse,
     CallRequest,
     ErrorBody,
+    ForkRequest,
+    ForkResponse,
     Liveness,
     PoolReadiness,
     Readiness,
@@ -203,6 +206,18 @@ class _Routes:
         # A pool without hosts (Ray) gives its sessions no workspace.
         info = SessionInfo(id=session.id, host=host, workspace=session.workspace or "")
         return _json(info, 201)
+
+    async def fork_session(self, scope: Scope, session_id: str, body: ForkRequest) -> Response:
+        forks = await self.sessions.fork(_principal(scope), session_id, body.n)
+        infos = [
+            SessionInfo(
+                id=fork.id,
+                host=fork.host.name if fork.host is not None else self.dispatcher.pool.kind,
+                workspace=fork.workspace or "",
+            )
+            for fork in forks
+        ]
+        return _json(ForkResponse(sessions=infos), 201)
 
     async def close_session(self, scope: Scope, session_id: str) -> Response:
         await self.sessions.close(_principal(scope), session_id)
@@ -524,6 +539,18 @@ def create_app(
     async def open_session(request: Request) -> Response:
         """Open a session: a private workspace on one host that later calls can name."""
         return await routes.open_session(request.scope)
+
+    @v1.post(
+        "/sessions/{session_id}/fork",
+        response_model=ForkResponse,
+        status_code=201,
+        tags=["sessions"],
+        responses=_SESSION_ERRORS,
+    )
+    async def fork_session(request: Request, session_id: str, body: ForkRequest) -> Response:
+        """Fork a session between its calls: ``n`` new sessions whose workspaces start as copies
+        of its own (copy-on-write where the host can), each independent; close each."""
+        return await routes.fork_session(request.scope, session_id, body)
 
     @v1.delete(
         "/sessions/{session_id}",

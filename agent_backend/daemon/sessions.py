@@ -62,6 +62,27 @@ class SessionTable:
         self._sessions[session.id] = _Owned(session, principal)
         return session
 
+    async def fork(self, principal: str, session_id: str, n: int) -> list[Session]:
+        """``n`` new sessions of ``principal``, each starting as a copy of its session
+        ``session_id``'s workspace; each counts against the token's sessions."""
+        session = self.get(principal, session_id)
+        if self._count(principal) + n > self.max_per_token:
+            raise TooManySessions(
+                f"this token may have {self.max_per_token} sessions open; {n} more would pass "
+                "that: close some first",
+                limit=self.max_per_token,
+            )
+        self._opening[principal] = self._opening.get(principal, 0) + n
+        try:
+            forks = await session.fork(n)
+        finally:
+            self._opening[principal] -= n
+            if not self._opening[principal]:
+                del self._opening[principal]
+        for fork in forks:
+            self._sessions[fork.id] = _Owned(fork, principal)
+        return forks
+
     def get(self, principal: str, session_id: str) -> Session:
         owned = self._sessions.get(session_id)
         if owned is None or owned.principal != principal:

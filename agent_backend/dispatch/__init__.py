@@ -18,6 +18,7 @@ from agent_backend.dispatch.result import ERROR_TYPES, ToolResult
 from agent_backend.dispatch.routes import DEFAULT_POOL_NAME, PoolShape, Route, route
 from agent_backend.dispatch.running import CallLike, as_tool_call
 from agent_backend.dispatch.session import Session
+from agent_backend.dispatch.snapshot import Snapshot
 from agent_backend.dispatch.spec import META_KEY, ExecutionSpec
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "PoolShape",
     "Route",
     "Session",
+    "Snapshot",
     "ToolResult",
     "absolute_path",
     "as_tool_call",

@@ -261,6 +261,57 @@ class Host(abc.ABC):
         """False while the host is marked down after repeated failures."""
         return True
 
+    # Forks and snapshots: optional; a host that has none says so (BackendUnavailable).
+
+    async def fork_workspace(self, path: str, n: int) -> list[str]:
+        """``n`` new workspaces, each a copy of workspace ``path`` as it is now.
+
+        Each is a workspace as :meth:`make_workspace` makes them (removed with
+        :meth:`remove_workspace`, private, with walls of its own where the host
+        has walls) that starts with what ``path`` holds: files, directories,
+        symbolic links, modes. From then on they are independent: what is
+        written in one (or in ``path``, which keeps working) is seen by no
+        other. A host copies on write where it can (then a fork costs the same
+        whatever the workspace's size) and says how (the local host's
+        ``fork_method``). Raises :class:`~agent_backend.errors.PoolError` while
+        ``path`` has a call or file operation in flight (fork between calls),
+        :class:`~agent_backend.errors.BackendUnavailable` where the host cannot
+        fork.
+        """
+        raise BackendUnavailable(f"{self.name} cannot fork workspaces", host=self.name)
+
+    async def snapshot_workspace(self, path: str) -> str:
+        """A frozen, read-only copy of workspace ``path`` as it is now: its handle, a path on
+        the host.
+
+        Nothing written to ``path`` afterwards reaches it, and nothing may write to
+        it: it is read (by the host, by :meth:`run_on_snapshot`) until
+        :meth:`remove_snapshot`. Raises as :meth:`fork_workspace` does.
+        """
+        raise BackendUnavailable(f"{self.name} cannot snapshot workspaces", host=self.name)
+
+    async def remove_snapshot(self, snapshot: str) -> None:
+        """Remove a snapshot this host made (idempotent); any other path is left alone."""
+        raise BackendUnavailable(f"{self.name} cannot snapshot workspaces", host=self.name)
+
+    async def run_on_snapshot(
+        self, snapshot: str, command: Command, *, assets: Sequence[str] = ()
+    ) -> CommandResult:
+        """Run ``command`` (a grader) in a fresh sandbox whose workspace is a writable copy of
+        ``snapshot``, with the host paths ``assets`` shown read-only.
+
+        The fresh workspace is its working directory (``command.cwd``, if set,
+        is relative to it); its writes never reach the snapshot, and it is
+        removed when the command ends. Each asset is shown, read-only, as
+        ``../assets/<its base name>`` from the workspace (``$GRADER_ASSETS``
+        names that directory): where the host has walls, no other sandbox (the
+        agent's included) is ever shown an asset, so an agent can neither read
+        nor change its grader's hidden inputs, and a grader sees the workspace
+        as it was at the snapshot, whatever the agent did after. The result is
+        as :meth:`run`'s.
+        """
+        raise BackendUnavailable(f"{self.name} cannot run graders on snapshots", host=self.name)
+
 
 class Backend(AsyncResource):
     """A set of hosts of one kind, opened and closed together (``async with``)."""

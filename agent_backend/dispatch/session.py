@@ -33,6 +33,7 @@ from agent_backend.dispatch.backend import Backend, Host
 from agent_backend.dispatch.leases import LeaseTable
 from agent_backend.dispatch.result import ToolResult
 from agent_backend.dispatch.running import CallLike, as_tool_call, gather
+from agent_backend.dispatch.snapshot import Snapshot
 from agent_backend.dispatch.workspaces import SessionWorkspaces
 from agent_backend.errors import PoolClosed, PoolError
 from agent_backend.lifecycle import AsyncResource
@@ -121,7 +122,9 @@ class Session(AsyncResource):
         return self._state == "closed"
 
     async def __aenter__(self) -> Self:
-        await self.open()
+        """Open the session; one open already (a fork) is entered as it is, to be closed on exit."""
+        if self._state != "open":
+            await self.open()
         return self
 
     async def open(self) -> None:
@@ -179,6 +182,70 @@ class Session(AsyncResource):
             return
         self._mark_closed("closed")
         await self._finish_close()
+
+    # -- forks and snapshots ----------------------------------------------------------------------
+
+    def _between_calls(self, what: str) -> None:
+        if self._state != "open":
+            raise self._refusal()
+        if self._calls:
+            raise PoolError(
+                f"session {self.id} has {len(self._calls)} call(s) in flight: {what} it between "
+                "calls"
+            )
+
+    async def fork(self, n: int) -> list[Session]:
+        """``n`` new open sessions whose workspaces start as copies of this session's, made
+        between calls (the host's :meth:`~agent_backend.dispatch.backend.Host.fork_workspace`:
+        copy-on-write where it can, in the same time whatever the workspace's size).
+
+        Every workspace the session has made so far is forked (one per pool); a
+        fork makes the others on first use, as any session does. From then on
+        each is independent: writes in one reach neither the others nor this
+        session, which goes on. Each fork is a session of the same dispatcher,
+        reaped and closed as any other; close them (``async with`` each, or
+        ``aclose()``). A rollout group starts its episodes from one prepared
+        workspace this way. Raises :class:`~agent_backend.errors.PoolError`
+        while a call is in flight, what the host raises where it cannot fork.
+        """
+        if not 1 <= n <= _SESSION_CAPACITY:
+            raise ValueError(f"n must be between 1 and {_SESSION_CAPACITY}, not {n}")
+        self._between_calls("fork")
+        children = [self.dispatcher.session() for _ in range(n)]
+        try:
+            # Shielded: a cancellation cannot lose workspaces the hosts made.
+            with anyio.CancelScope(shield=True):
+                for workspace in self._workspaces.ready():
+                    assert workspace.path is not None
+                    paths = await workspace.host.fork_workspace(workspace.path, n)
+                    for child, path in zip(children, paths, strict=True):
+                        child._workspaces.adopt(workspace.pool, workspace.host, path)
+            for child in children:
+                await child.open()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for child in children:
+                    if child._state == "new":
+                        child._state, child._reason = "closed", "its fork failed"
+                        await child._workspaces.remove_all()
+                    else:
+                        await child.aclose()
+            raise
+        return children
+
+    async def snapshot(self, *, pool: str | None = None) -> Snapshot:
+        """The session's workspace on ``pool`` (None: the default pool) frozen as it is now,
+        for grading: :meth:`Snapshot.run` runs a grader on it with private assets
+        (:mod:`agent_backend.dispatch.snapshot`). Taken between calls; the session goes on.
+        """
+        self._between_calls("snapshot")
+        name = pool if pool is not None else self._support.default_pool
+        workspace = self._workspaces.get(name)
+        if workspace is None or workspace.path is None:
+            raise PoolError(f"session {self.id} has no workspace on pool {name!r} to snapshot")
+        with anyio.CancelScope(shield=True):
+            handle = await workspace.host.snapshot_workspace(workspace.path)
+        return Snapshot(workspace.host, handle, session=self.id)
 
     def _refusal(self) -> PoolClosed:
         if self._state == "new":

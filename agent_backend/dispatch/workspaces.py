@@ -144,6 +144,13 @@ class SessionWorkspaces:
         workspace.path = made  # already real: make_workspace returns a symlink-free path
         return workspace
 
+    def adopt(self, pool: str, host: Host, path: str) -> None:
+        """Take ``path``, a ready workspace ``host`` made (a fork), as this session's on
+        ``pool``: removed with the others. Synchronous; before the session's first call."""
+        if pool in self._made:
+            raise PoolError(f"session {self._owner} has a workspace on pool {pool!r} already")
+        self._made[pool] = Workspace(pool, host, path, path)
+
     def close(self) -> None:
         """Make no workspace from now on (synchronous; :meth:`remove_all` does the I/O)."""
         self._closed = True

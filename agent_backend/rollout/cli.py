@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, get_args
+from typing import Annotated, Any, NoReturn, cast, get_args
 
 import anyio
 import orjson
@@ -137,6 +137,14 @@ def rollout_command(
             dir_okay=False,
         ),
     ] = None,
+    isolation: Annotated[
+        str | None,
+        typer.Option(
+            "--isolation",
+            help="The walls around the tools' commands on local pools, over the pool file: "
+            "namespaces (the default pool's) or none. docs/sandboxes.md.",
+        ),
+    ] = None,
     n: Annotated[
         int, typer.Option("--n", help="Samples per prompt (GRPO group size).", min=1)
     ] = defaults.N,
@@ -223,12 +231,18 @@ def rollout_command(
     interrupted.
     """
     from agent_backend.dispatch import Dispatcher
-    from agent_backend.pool_file import PoolSetConfig, load_pools, load_pools_config
+    from agent_backend.pool_file import (
+        PoolSetConfig,
+        load_pools,
+        load_pools_config,
+        with_isolation,
+    )
     from agent_backend.rollout.episode import EpisodeConfig, RewardFunction, ToolReward
     from agent_backend.rollout.ledger import ResumeLedger
     from agent_backend.rollout.pool import WRITER_POSITION, RolloutPool
     from agent_backend.rollout.tokens import open_policy
     from agent_backend.rollout.writers import JsonlWriter
+    from agent_backend.sandbox import Isolation
     from agent_backend.tools import TextFormat, ToolRegistry
 
     logging.basicConfig(
@@ -238,12 +252,20 @@ def rollout_command(
     )
     if reward and reward_command:
         _fail("give --reward or --reward-command, not both", 2)
+    if isolation is not None and isolation not in get_args(Isolation):
+        _fail(f"--isolation {isolation!r}: one of {', '.join(get_args(Isolation))}", 2)
     if call_format is not None and call_format not in get_args(TextFormat):
         _fail(f"--call-format {call_format!r}: one of {', '.join(get_args(TextFormat))}", 2)
     try:
         rows = load_prompts(prompts)
         registry = ToolRegistry.from_dir(tools_dir)
         pools_config = load_pools_config(pool) if pool is not None else PoolSetConfig.single()
+        if isolation is not None:
+            tier = cast("Isolation", isolation)
+            pools_config = PoolSetConfig(
+                {name: with_isolation(c, tier) for name, c in pools_config.pools.items()},
+                pools_config.default,
+            )
         pool_config = pools_config.pools[pools_config.default]
         # One Ray pool scales out: rollout workers as Ray actors, tools on their nodes.
         on_ray = len(pools_config.pools) == 1 and pool_config.type == "ray"

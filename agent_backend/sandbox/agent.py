@@ -1,12 +1,15 @@
 """The agent inside a session's sandbox: starts each command of the session, reports its exit.
 
-It runs as the sandbox's own uid, as the child of the sandbox's init (PID 2 of
-its PID namespace), started by the host's ``python3 -I -S -c SOURCE``: this
+It runs as the sandbox's own uid, as the child of the sandbox's init (a shell,
+PID 1 of its PID namespace, which the commands cannot signal), started by the
+host's ``python3 -I -S -c SOURCE [IDLE]``: this
 file's text is its program, so it imports the standard library only and
 nothing of the host's (whose files the sandbox cannot see). Its stdin is a
 ``SOCK_SEQPACKET`` socket to the backend; one message is one JSON object:
 
-* first, unasked, ``{"ready": pid}``: the agent is up.
+* first, unasked, ``{"ready": pid}`` with the sandbox's network namespace
+  (``/proc/self/ns/net``) as ``SCM_RIGHTS``: the agent is up, and the backend
+  may give the namespace its egress relays (sent before anything else runs here).
 * ``{"op": "run", "id", "argv", "env", "cwd", "stdin"}`` with the command's
   pipes as ``SCM_RIGHTS`` (stdin's read end if asked for, stdout's and stderr's
   write ends): the command is started in a process group of its own; answered
@@ -17,6 +20,11 @@ nothing of the host's (whose files the sandbox cannot see). Its stdin is a
   command of the session runs, so is every process in the sandbox but the
   init and this agent (``kill(-1)``): ``setsid`` and double forks included.
   Then ``{"id", "exit"}`` (negative: the signal that ended it).
+
+* After ``IDLE`` seconds without a command running or a message: ``{"idle": true}``,
+  once; answered ``{"op": "leave"}`` when the backend has no call for it, and
+  then the agent exits (the shell reports it, and starts it again when the backend
+  wakes it for its next call: an idle sandbox holds no Python).
 
 End of file on the socket (the backend closed it, or died) ends the agent,
 and with it the sandbox: the init exits when its child does, and the kernel
@@ -48,6 +56,23 @@ def _send(control: socket.socket, message: dict[str, Any]) -> None:
         control.send(json.dumps(message).encode())
 
 
+def _send_ready(control: socket.socket) -> None:
+    """``{"ready": pid}``, with this sandbox's network namespace when it can be opened (without
+    it, a backend with egress relays refuses the sandbox)."""
+    message = json.dumps({"ready": os.getpid()}).encode()
+    try:
+        netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        _send(control, {"ready": os.getpid()})
+        return
+    try:
+        rights = array.array("i", [netns]).tobytes()
+        with contextlib.suppress(OSError):
+            control.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+    finally:
+        os.close(netns)
+
+
 def _receive(control: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the descriptors it carried; None at end of file."""
     fds = array.array("i")
@@ -61,6 +86,8 @@ def _receive(control: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
         for fd in fds:
             os.close(fd)
         return None, []
+    if not data.strip():  # a wake-up meant for the shell: nothing to do
+        return {"op": "wake"}, list(fds)
     return json.loads(data), list(fds)
 
 
@@ -179,12 +206,20 @@ def main() -> None:
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     agent = Agent(control)
-    _send(control, {"ready": os.getpid()})
+    idle = float(sys.argv[1]) if len(sys.argv) > 1 else None
+    _send_ready(control)
     poller = select.poll()
     poller.register(control, select.POLLIN)
     poller.register(wake_read, select.POLLIN)
+    asked = False  # to leave, since the last message
     while True:
-        for fd, _events in poller.poll():
+        timeout = None if idle is None or agent.leaders or asked else int(idle * 1000)
+        events = poller.poll(timeout)
+        if not events:
+            _send(control, {"idle": True})
+            asked = True
+            continue
+        for fd, _events in events:
             if fd == wake_read:
                 os.read(wake_read, 4096)
                 agent.reap()
@@ -196,6 +231,9 @@ def main() -> None:
             if message is None:
                 kill_everything_else()
                 sys.exit(0)
+            asked = False
+            if message.get("op") == "leave" and not agent.leaders:
+                sys.exit(0)  # nothing of ours runs: the reap after each command's exit saw to it
             if message.get("op") == "run":
                 agent.run(message, fds)
             else:

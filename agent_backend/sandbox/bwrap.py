@@ -12,9 +12,10 @@ new user, mount, PID, IPC, UTS, network and cgroup namespaces. Inside: the
 host's system directories read-only, the workspace read-write at its own
 path, a private size-capped ``/tmp``, a fresh ``/proc`` and a minimal
 ``/dev``, loopback only, no capabilities, no further user namespaces. The
-program (the session's agent) is the child of the namespace's init: when it
-exits, or the outer process is killed, the PID namespace ends and the kernel
-kills everything left in it (daemonized, ``setsid``, double-forked included).
+program is the namespace's init (``--as-pid-1``: the shell that runs the session's
+agent, which the commands cannot signal): when it exits, or the outer process is
+killed, the PID namespace ends and the kernel kills everything left in it
+(daemonized, ``setsid``, double-forked included).
 No ``--die-with-parent``: that signal follows the *thread* that started the
 sandbox, and the owner's death reaches the agent anyway, as end of file on its
 socket.
@@ -56,9 +57,11 @@ def sandbox_argv(
     *,
     uid: int,
     workspace: str,
+    workspace_at: str | None = None,
     cwd: str,
     limits: SandboxLimits,
     read_only: Sequence[str] = (),
+    hosts_fd: int | None = None,
     bwrap: str = "bwrap",
     setpriv: str = "setpriv",
     shell: str = "/bin/sh",
@@ -66,9 +69,13 @@ def sandbox_argv(
     """The argv that runs ``argv`` in ``cwd`` inside a new sandbox of ``uid`` around
     ``workspace``.
 
+    ``workspace_at``: where the sandbox sees ``workspace`` (None: at its own path), for
+    a directory that will be renamed there before anything runs in it (a spare).
     ``read_only``: more host paths to show read-only at their own paths (a
-    virtual environment, a dataset).
+    virtual environment, a dataset). ``hosts_fd``: a descriptor the sandbox's ``/etc/hosts`` is
+    read from (bubblewrap copies it; the process that runs the argv must inherit it).
     """
+    hosts = ["--ro-bind-data", str(hosts_fd), "/etc/hosts"] if hosts_fd is not None else []
     return [
         shell,
         "-c",
@@ -90,6 +97,7 @@ def sandbox_argv(
         "--gid",
         str(uid),
         "--unshare-pid",
+        "--as-pid-1",
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-net",
@@ -98,6 +106,7 @@ def sandbox_argv(
         "--hostname",
         "sandbox",
         *_system_binds(SYSTEM_PATHS),
+        *hosts,  # over the host's /etc/hosts, bound with /etc just before
         "--proc",
         "/proc",
         "--dev",
@@ -110,7 +119,7 @@ def sandbox_argv(
         *[arg for path in read_only for arg in ("--ro-bind", path, path)],
         "--bind",
         workspace,
-        workspace,
+        workspace_at or workspace,
         "--chdir",
         cwd,
         "--cap-drop",

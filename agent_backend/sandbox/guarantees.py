@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Sequence
 
 from agent_backend.sandbox.cgroups import cgroup_v1_missing
 from agent_backend.sandbox.config import Isolation, SandboxLimits
@@ -37,6 +38,8 @@ class Guarantees:
     network: str
     uid: str
     limits: dict[str, str]
+    disk: str = ""
+    """The workspace's disk: its quota, and how forks and snapshots copy it."""
 
     def lines(self) -> list[str]:
         """One ``name: guarantee`` line each, for a banner or ``pool check``."""
@@ -47,12 +50,21 @@ class Guarantees:
             f"network: {self.network}",
             f"uid: {self.uid}",
         ]
+        lines += [f"disk: {self.disk}"] if self.disk else []
         lines += [f"limit {name}: {value}" for name, value in self.limits.items()]
         return lines
 
 
-def guarantees_of(isolation: Isolation, limits: SandboxLimits) -> Guarantees:
-    """The guarantees of a pool with ``isolation`` and ``limits`` that has started."""
+def guarantees_of(
+    isolation: Isolation,
+    limits: SandboxLimits,
+    *,
+    egress: Sequence[str] = (),
+    workspace_quota_mb: int | None = None,
+) -> Guarantees:
+    """The guarantees of a pool with ``isolation`` and ``limits`` that has started; ``egress``:
+    the destinations its sandboxes may reach (``egress_allow``; nothing is restricted under
+    ``none``); ``workspace_quota_mb``: each workspace's size (None: no quota)."""
     if isolation == "none":
         none = "none (this process's user, namespaces and limits: pool isolation = 'none')"
         return Guarantees(
@@ -62,6 +74,8 @@ def guarantees_of(isolation: Isolation, limits: SandboxLimits) -> Guarantees:
             network="host: every address this process can reach",
             uid=none,
             limits={},
+            disk="no quota (the workspace root's filesystem); forks and snapshots are whole "
+            "copies (cp -a, reflinks where the filesystem has them)",
         )
     return Guarantees(
         isolation="namespaces",
@@ -69,7 +83,8 @@ def guarantees_of(isolation: Isolation, limits: SandboxLimits) -> Guarantees:
         "the only writable directory besides a private /tmp",
         processes="own PID namespace per session: what a call starts dies when it ends (when "
         "calls of one session overlap, when the last of them ends) and at the session's close",
-        network="own network namespace: loopback only, no egress",
+        network="own network namespace: loopback only"
+        + ("; egress allowed to: " + ", ".join(egress) if egress else ", no egress"),
         uid="own uid per session (user namespace), no capabilities, no_new_privs",
         limits={
             "memory": f"{limits.memory_mb} MiB per session (memory cgroup)",
@@ -79,6 +94,14 @@ def guarantees_of(isolation: Isolation, limits: SandboxLimits) -> Guarantees:
             "file size": f"{limits.file_size_mb} MiB per file (RLIMIT_FSIZE)",
             "tmp": f"{limits.tmp_mb} MiB private /tmp per session (tmpfs)",
         },
+        disk=(
+            "no quota (the workspace root's filesystem)"
+            if workspace_quota_mb is None
+            else f"{workspace_quota_mb} MiB per workspace, a fork's own changes included (tmpfs, "
+            "charged to its session's memory): past it, ENOSPC"
+        )
+        + "; forks and snapshots are copy-on-write overlayfs layers, read through idmapped "
+        "mounts; graders run in a fresh sandbox on a snapshot",
     )
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -114,3 +116,101 @@ async def watch_loop() -> AsyncIterator[LoopStall]:
             yield stall
         finally:
             group.cancel_scope.cancel()
+
+
+# -- a sandboxed command's processes, seen from the host -------------------------------------------
+#
+# Under ``isolation = "namespaces"`` a command cannot write outside its workspace, and ``$$`` is
+# its pid inside its own PID namespace: a test finds its processes in the host's ``/proc``
+# instead, by a sleep duration that no other process has.
+
+
+def unique_sleep(seconds: int = 600) -> str:
+    """A sleep duration no other process uses (``600.042137``): long enough never to end by
+    itself within a test's bounded waits, and its digits find the processes that run it."""
+    return f"{seconds}.{secrets.randbelow(10**6):06d}"
+
+
+def _cmdline_and_state(pid: str) -> tuple[bytes, str] | None:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:  # gone meanwhile
+        return None
+    return cmdline, raw[raw.rfind(b")") + 2 :].split()[0].decode()
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids of the live (not zombie) processes with ``marker`` in their command line:
+    the command's shell (``sh -c '... sleep 600.042137 ...'``) and its ``sleep``."""
+    needle = marker.encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        seen = _cmdline_and_state(entry)
+        if seen is not None and needle in seen[0] and seen[1] not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+def sleeping(marker: str) -> list[int]:
+    """Host pids of the live processes that run exactly ``sleep MARKER`` (not a client whose
+    command line merely quotes the command)."""
+    found = []
+    for pid in processes_with(marker):
+        seen = _cmdline_and_state(str(pid))
+        if seen is None:
+            continue
+        argv = seen[0].rstrip(b"\0").split(b"\0")
+        if len(argv) == 2 and os.path.basename(argv[0]) == b"sleep" and argv[1] == marker.encode():
+            found.append(pid)
+    return found
+
+
+def process_group(pid: int) -> int | None:
+    """The host process group of ``pid``; None once it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(raw[raw.rfind(b")") + 2 :].split()[2])
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of host process group ``pgid`` still runs (zombies do not count)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_bytes()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
+async def wait_sleeping(marker: str, within: float = 15.0) -> int:
+    """The host pid of the command's ``sleep MARKER``, once it runs (bounded wait)."""
+    with anyio.fail_after(within):
+        while not (found := sleeping(marker)):  # noqa: ASYNC110 - a state in /proc, no event
+            await anyio.sleep(0.01)
+    return found[0]
+
+
+async def none_left(marker: str, within: float = 15.0) -> list[int]:
+    """Wait (bounded) until no process has ``marker`` in its command line; the survivors, if
+    some still run after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while (left := processes_with(marker)) and time.monotonic() < deadline:  # noqa: ASYNC110
+        await anyio.sleep(0.02)
+    return left
+
+
+def kill_marked(marker: str) -> None:
+    """Test hygiene after a failed assertion: SIGKILL the processes of this test's command."""
+    for pid in processes_with(marker):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -110,7 +110,7 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
                 name=f"{sshd.user}@127.0.0.1:{sshd.port}",
                 term="TERM",
                 kill="KILL",
-                workspace_prefix="/tmp/agent-backend/ws.",
+                workspace_prefix=f"/tmp/agent-backend-{os.getuid()}/ws.",
                 idle=ssh_idle,
             )
         return

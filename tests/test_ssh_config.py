@@ -62,7 +62,7 @@ def test_defaults_are_safe() -> None:
     assert host.max_channels_per_connection == 8  # below OpenSSH's MaxSessions of 10
     assert host.insecure_skip_host_key_check is False
     assert host.known_hosts.endswith(".ssh/known_hosts")
-    assert host.workspace_root == "/tmp/agent-backend"
+    assert host.workspace_root is None  # /tmp/agent-backend-<uid>: one per remote user
     assert host.keepalive_interval > 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -295,3 +296,27 @@ async def test_statistics_are_frozen(sshd: SSHServer) -> None:
         with pytest.raises(AttributeError):
             stats.calls = 3  # type: ignore[misc]
         assert isinstance(backend, SSHBackend)
+
+
+async def test_workspaces_are_under_the_login_users_own_root_and_a_squatted_root_is_refused(
+    sshd: SSHServer, tmp_path: Path
+) -> None:
+    async with backend_for(sshd) as backend:
+        host = backend.hosts[0]
+        workspace = await host.make_workspace()
+        try:
+            # Per remote user: another user of the host has a root of their own.
+            assert workspace.startswith(f"/tmp/agent-backend-{os.getuid()}/ws.")
+            assert (await anyio.Path(workspace).stat()).st_mode & 0o777 == 0o700
+        finally:
+            await host.remove_workspace(workspace)
+    squatted = tmp_path / "squatted"
+    squatted.mkdir(mode=0o777)
+    os.chown(squatted, 4242, 4242)  # made first by someone else
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    for root in (squatted, link):
+        async with backend_for(sshd, workspace_root=str(root)) as backend:
+            with pytest.raises(BackendUnavailable, match="is not a directory of this user"):
+                await backend.hosts[0].make_workspace()
+    assert list(squatted.iterdir()) == []

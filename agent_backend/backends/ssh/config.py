@@ -46,8 +46,11 @@ class SSHHostSettings(ConfigModel):
     env: dict[EnvName, str] = pydantic.Field(default_factory=dict)
     """Environment variables exported for every command on the host (a command's own win).
     Set by the remote shell, so sshd's AcceptEnv is not needed."""
-    workspace_root: str = "/tmp/agent-backend"
-    """Absolute remote directory under which session workspaces (mode 0700) are made."""
+    workspace_root: str | None = None
+    """Absolute remote directory under which session workspaces (mode 0700) are made; it must
+    be the login user's own (made 0700 if missing; one owned by another user, or a symbolic
+    link, is refused). None: ``/tmp/agent-backend-<uid>``, one per remote user, so that users
+    of one host never share (or squat) each other's."""
     shell: str = "/bin/sh"
     """Remote shell that runs command lines (``shell -c LINE``). argv commands run directly
     from the login shell, like ``ssh host -- argv``."""
@@ -97,7 +100,9 @@ class SSHHostSettings(ConfigModel):
 
     @pydantic.field_validator("workspace_root", "shell")
     @classmethod
-    def _absolute(cls, value: str) -> str:
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if (
             not posixpath.isabs(value)
             or posixpath.normpath(value) != value.rstrip("/")

@@ -72,9 +72,13 @@ logger = logging.getLogger("agent_backend.backends.ssh")
 
 CALL_VAR = "AGENT_BACKEND_CALL"
 
+# $1: the workspace root, or empty for the login user's own under /tmp. A root that is a
+# symbolic link or another user's (made first in a shared /tmp) is refused, never used.
 _MAKE_WORKSPACE = (
-    'umask 077 && mkdir -p -- "$1" && cd -- "$1" && pwd -P'
-    ' && d=$(mktemp -d -- "$1/ws.XXXXXXXXXX") && cd -- "$d" && pwd -P'
+    'r=${1:-/tmp/agent-backend-$(id -u)}; umask 077 && mkdir -p -- "$r" || exit 1;'
+    ' if [ -L "$r" ] || [ ! -O "$r" ]; then'
+    ' echo "the workspace root $r is not a directory of this user ($(id -un))" >&2; exit 1; fi;'
+    ' cd -- "$r" && pwd -P && d=$(mktemp -d -- "$r/ws.XXXXXXXXXX") && cd -- "$d" && pwd -P'
 )
 _REMOVE_TREE = 'chmod -R u+rwx -- "$@" 2>/dev/null; rm -rf -- "$@"'
 
@@ -239,13 +243,14 @@ class RemoteFiles:
         detail = clip(result.stderr.text().strip(), 300) or f"exit status {result.exit_status}"
         return f"{what} failed on {self._host}: {detail}"
 
-    async def make_workspace(self, root: str) -> str:
-        """A new mode-0700 directory under ``root``; its resolved path."""
-        result = await self._run(Script(_MAKE_WORKSPACE, (root,), "making a workspace"))
+    async def make_workspace(self, root: str | None) -> str:
+        """A new mode-0700 directory under ``root`` (None: the login user's own root under
+        /tmp); its resolved path."""
+        result = await self._run(Script(_MAKE_WORKSPACE, (root or "",), "making a workspace"))
         lines = result.stdout.data.decode("utf-8", "surrogateescape").splitlines()
         if result.exit_status != 0 or len(lines) != 2:
             raise BackendUnavailable(
-                f"cannot make a workspace under {root} on {self._host}:"
+                f"cannot make a workspace under {root or 'the user root'} on {self._host}:"
                 f" {clip(result.stderr.text().strip(), 300)}",
                 backend="ssh",
                 host=self._host,

@@ -546,3 +546,32 @@ async def test_ssh_host_lost_mid_episode_is_an_env_error(
     [record] = results
     assert record.stop_reason == "env_error", record.error
     assert record.error is not None
+
+
+def cat_prepared(turn: Turn) -> Reply:
+    if turn.index == 0:
+        return Reply("looking", tool_calls=[("exec", {"command": "cat prepared; echo mine > x"})])
+    return Reply("it says: " + turn.last_tool_results()[0].strip())
+
+
+async def test_a_group_starts_its_episodes_from_one_prepared_workspace(
+    policy_server: PolicyServer, tmp_path: Path
+) -> None:
+    model = policy_server.add("episode-forked", cat_prepared)
+    root = tmp_path / "ws"
+    async with local_dispatcher(root) as dispatcher, policy_for(policy_server, model) as policy:
+        async with dispatcher.session() as prepared:
+            made = await prepared.call(("exec", {"command": "echo checked-out > prepared"}))
+            assert made.ok, made
+            forks = await prepared.fork(2)
+            results = [
+                await run_episode(PROMPT, policy=policy, dispatcher=dispatcher, session=fork)
+                for fork in forks
+            ]
+            assert all(fork.is_closed() for fork in forks)  # each closed with its episode
+            left = await prepared.call(("exec", {"command": "ls"}))
+            assert left.output == "prepared\n"  # the episodes' writes stayed in their forks
+        assert_no_leak(dispatcher, root)
+    for [record] in results:
+        assert record.stop_reason == "stop", record.error
+        assert record.messages[-1]["content"] == "it says: checked-out"

@@ -282,6 +282,7 @@ async def run_episode(
     config: EpisodeConfig | None = None,
     ids: EpisodeIds | None = None,
     policy_version: Callable[[], int] | None = None,
+    session: Session | None = None,
 ) -> list[Trajectory]:
     """Run one episode; its trajectory records (one per segment), failed or not.
 
@@ -298,6 +299,10 @@ async def run_episode(
         ids: the ids written into the records (default: fresh ones).
         policy_version: the current policy (weights) version, read at the start
             and after each turn (default: always 0).
+        session: the episode's session, open, of ``dispatcher`` (a fork of a
+            prepared one: ``await prepared.fork(n)`` starts a group's episodes
+            from one workspace); closed when the episode ends, as one opened
+            here would be. None: a new session.
     """
     config = config or EpisodeConfig()
     for_episode = getattr(policy, "for_episode", None)
@@ -325,10 +330,12 @@ async def run_episode(
     reward_total: float = config.failure_reward
     rewards: dict[str, float] = {}
     try:
-        session = dispatcher.session()
+        if session is None:
+            session = dispatcher.session()
         opened = time.perf_counter()
         try:
-            await session.open()
+            if not session.is_open():
+                await session.open()
         finally:
             episode.env_time += time.perf_counter() - opened
         try:

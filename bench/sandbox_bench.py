@@ -53,9 +53,10 @@ load from other processes on this machine falls on all alike.
   the base frozen into a layer, an overlay per copy with its own uid and an
   idmapped view of the layer), against ``cp -a`` of the same tree 8 times on
   the same disk, in alternating rounds (before each fork the base gets a new
-  file: each fork freezes something). Off the clock, each round checks that a
-  file written in one copy is seen by no other copy nor by the base. Target:
-  <= 50 ms for all 8 copies. ``--only 5`` runs this part alone.
+  file: each fork freezes something; after each ``cp -a`` round its copies are
+  removed and the disk synced, off the clock). Off the clock too, each round
+  checks that a file written in one copy is seen by no other copy nor by the
+  base. Target: <= 50 ms for all 8 copies. ``--only 5`` runs this part alone.
 """
 
 from __future__ import annotations
@@ -748,11 +749,13 @@ def fill(tree: str, workspace: str, uid: int) -> None:
     """Copy ``tree`` into ``workspace``, owned by its sandbox's uid (as if the agent made it)."""
     subprocess.run(["cp", "-a", f"{tree}/.", workspace], check=True)
     subprocess.run(["chown", "-R", f"{uid}:{uid}", workspace], check=True)
+    os.sync()
 
 
 def cp_copies(tree: str, scratch: str, count: int) -> float:
-    """``cp -a`` of ``tree`` ``count`` times, one after the other: the seconds it took (the
-    copies are removed afterwards, off the clock)."""
+    """``cp -a`` of ``tree`` ``count`` times, one after the other: the seconds it took. Off
+    the clock, the copies are removed and the disk synced (the next fork does not pay for
+    their writeback)."""
     targets = [tempfile.mkdtemp(prefix="copy-", dir=scratch) for _ in range(count)]
     try:
         started = time.perf_counter()
@@ -762,6 +765,7 @@ def cp_copies(tree: str, scratch: str, count: int) -> float:
     finally:
         for target in targets:
             shutil.rmtree(target, ignore_errors=True)
+        os.sync()
 
 
 async def forks_isolated(host: LocalHost, base: str, copies: list[str], index: int) -> bool:

@@ -69,6 +69,7 @@ async def walled(tmp_path: Path) -> AsyncIterator[LocalHost]:
     async with LocalBackend(_config(root)) as backend:
         yield backend.host
     assert _mounts_in(root) == []
+    assert [path async for path in anyio.Path(root).iterdir()] == []  # the store too
 
 
 @pytest.fixture
@@ -78,6 +79,7 @@ async def quota(tmp_path: Path) -> AsyncIterator[LocalHost]:
     async with LocalBackend(_config(root, workspace_quota_mb=QUOTA_MB)) as backend:
         yield backend.host
     assert _mounts_in(root) == []
+    assert [path async for path in anyio.Path(root).iterdir()] == []  # the store too
 
 
 @pytest.fixture
@@ -169,6 +171,11 @@ async def test_a_fork_of_a_fork_stacks_its_layers(walled: LocalHost) -> None:
     assert await out(walled, "cat a; ls", child) == "child\na\nempty\nfrom-child\nlink\nrun.sh\n"
     assert await out(walled, "cat a", grandchildren[1]) == "child\n"
     assert await out(walled, "cat a d/e/f", base) == "base\ndeep\n"
+    # A snapshot of three layers shows what the workspace shows: whiteouts, an opaque directory.
+    view = Path(await walled.snapshot_workspace(grandchildren[0]))
+    assert sorted(os.listdir(view)) == ["a", "d", "empty", "from-child", "link", "run.sh"]
+    assert (view / "a").read_text() == "g\n"
+    assert os.listdir(view / "d") == ["x"]
     # Forked again after a change: one more layer; unchanged: the same one.
     await out(walled, "echo again > a", child)
     (again,) = await walled.fork_workspace(child, 1)

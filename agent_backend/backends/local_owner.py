@@ -153,11 +153,19 @@ def _sweep_owner(root: str, lock_name: str, directories: list[str]) -> list[str]
         if os.fstat(fd).st_uid != os.getuid():
             return []
         complete = True
+        # Every mount of the dead owner's (overlays, quota tmpfs, layers) goes before any tree.
         points = mount_points() if directories else []
+        unmounted: list[str] = []
         for name in sorted(directories):
             target = os.path.join(root, name)
             try:
-                unmount_beneath(target, points)  # a dead owner's mounts go before its trees
+                unmount_beneath(target, points)
+                unmounted.append(target)
+            except OSError as exc:
+                complete = False
+                logger.warning("could not unmount %s, left by a backend that died: %s", target, exc)
+        for target in unmounted:
+            try:
                 if _remove_owned(target):
                     removed.append(target)
             except OSError as exc:

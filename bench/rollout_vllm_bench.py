@@ -735,7 +735,8 @@ async def run_bench(
         f"{TURNS}-turn episodes (guided exec call, then {FREE_TOKENS} free tokens) through vLLM at "
         f"{server.url}; concurrency {levels}; rounds: {rounds} per side (after a warm-up) of"
         f" {args.waves} x the concurrency in episodes;"
-        f" the peer's server manager over {args.peer_http}"
+        f" the peer's server manager over {args.peer_http}; our tools behind"
+        f" isolation = {pool_config.isolation!r} (the default pool's; the peer's run unsandboxed)"
     )
     results: list[Result] = []
     async with (
@@ -891,6 +892,7 @@ def main() -> int:
         return 1
     with tempfile.TemporaryDirectory(prefix="rollout-vllm-bench-") as tmp:
         directory = Path(tmp)
+        directory.chmod(0o711)  # the sandboxes' own uids pass through to their workspaces
         model_dir = build_tiny_model(directory / "model")
         worker = make_worker(model_dir, directory)
         # torch, transformers, verl and Ray make a heap of ~500k objects; a full collection of

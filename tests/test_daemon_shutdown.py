@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support.proc_helpers import pid_alive
+from support.proc_helpers import (
+    kill_marked,
+    pid_alive,
+    processes_with,
+    sleeping,
+    unique_sleep,
+)
 
 TOKEN = "shutdown-token-" + "s" * 20
 GRACE = 2.0
@@ -64,29 +71,6 @@ def _finish(process: subprocess.Popen[str]) -> str:
     return stderr
 
 
-def _wait_for(path: Path, timeout: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return int(path.read_text())
-        time.sleep(0.02)
-    raise AssertionError(f"{path} was not written")
-
-
-def _running_with(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline and pid_alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
-
-
 def _post(url: str, body: dict[str, object], answers: dict[str, object], name: str) -> None:
     try:
         answers[name] = httpx.post(
@@ -99,19 +83,26 @@ def _post(url: str, body: dict[str, object], answers: dict[str, object], name: s
         answers[name] = exc
 
 
+def _wait_for_sleeps(*markers: str, timeout: float = 20.0) -> list[int]:
+    """The host pids of ``sleep MARKER`` for each marker, once all of them run (the calls run
+    in sandboxes: the test finds their processes in the host's /proc by their durations)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [sleeping(marker) for marker in markers]
+        if all(found):
+            return [pids[0] for pids in found]
+        time.sleep(0.02)
+    raise AssertionError(f"the calls' sleeps {markers} did not all start within {timeout:g} s")
+
+
 def test_sigterm_lets_short_calls_finish_and_kills_the_rest(tmp_path: Path) -> None:
     process, url = _serve(tmp_path)
-    marker = f"{61 + os.getpid() % 1000 / 1000:.3f}"  # a sleep duration no one else uses
-    short = {
-        "name": "exec",
-        "arguments": {"command": f"echo $$ > {tmp_path}/short.pid; sleep 0.8; echo finished"},
-    }
-    long = {
-        "name": "exec",
-        "arguments": {
-            "command": f"sleep {marker} & echo $! > {tmp_path}/child.pid; echo $$ > {tmp_path}/long.pid; wait"
-        },
-    }
+    # Sleep durations no other process has: the short call's ends within the grace period;
+    # the long call's background sleep (600 s) can only be gone because it was killed.
+    short_marker = f"0.8{secrets.randbelow(10**6):06d}"
+    marker = unique_sleep()
+    short = {"name": "exec", "arguments": {"command": f"sleep {short_marker}; echo finished"}}
+    long = {"name": "exec", "arguments": {"command": f"sleep {marker} & wait"}}
     answers: dict[str, object] = {}
     threads = [
         threading.Thread(target=_post, args=(url, short, answers, "short")),
@@ -120,7 +111,10 @@ def test_sigterm_lets_short_calls_finish_and_kills_the_rest(tmp_path: Path) -> N
     try:
         for thread in threads:
             thread.start()
-        pids = [_wait_for(tmp_path / name) for name in ("short.pid", "long.pid", "child.pid")]
+        pids = _wait_for_sleeps(short_marker, marker)
+        # The long call's shell too: it and its background sleep both run now.
+        pids += [pid for pid in processes_with(marker) if pid not in pids]
+        assert len(pids) == 3, pids
         assert all(pid_alive(pid) for pid in pids[1:])
         started = time.monotonic()
         process.send_signal(signal.SIGTERM)
@@ -141,6 +135,8 @@ def test_sigterm_lets_short_calls_finish_and_kills_the_rest(tmp_path: Path) -> N
         stderr = _finish(process)
         for thread in threads:
             thread.join(timeout=30)
+        left = processes_with(marker)
+        kill_marked(marker)
     assert code == 0, stderr[-3000:]
     assert took < GRACE + 8, f"shutdown took {took:.1f} s"
     short_answer = answers["short"]
@@ -152,9 +148,7 @@ def test_sigterm_lets_short_calls_finish_and_kills_the_rest(tmp_path: Path) -> N
         assert long_answer.status_code == 503, long_answer.text
         assert long_answer.json()["error"]["type"] == "ServiceUnavailable"
     assert not any(pid_alive(pid) for pid in pids), "a call's process outlived the daemon"
-    assert _running_with(marker) == [], (
-        "a process the call started in the background is still running"
-    )
+    assert left == [], "a process the call started in the background is still running"
 
 
 def test_sigint_with_nothing_in_flight_exits_0(tmp_path: Path) -> None:

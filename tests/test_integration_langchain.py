@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pydantic
 import pytest
-from support.proc_helpers import wait_dead
+from support.proc_helpers import none_left, unique_sleep, wait_dead, wait_sleeping
 from support.toolset_fixtures import (
     OUTAGE,
     OUTPUT_LIMIT,
@@ -27,7 +27,6 @@ from support.toolset_fixtures import (
     daemon_fixture,
     framework_missing,
     pool_config,
-    wait_for_pid,
 )
 
 from agent_backend import Dispatcher, ToolRegistry, ToolResult
@@ -243,9 +242,11 @@ async def test_an_infrastructure_failure_is_raised_not_shown(backend: Backend) -
 
 
 async def test_a_call_past_its_timeout_is_killed_and_the_model_told(backend: Backend) -> None:
+    marker = unique_sleep()  # found in the host's /proc by its command line
+    command = f"echo running > started; exec sleep {marker}"
     script = Script(
-        call("exec", {"command": "echo $$ > pid; exec sleep 30", "timeout": 0.5}),
-        call("read_file", {"path": "pid"}),
+        call("exec", {"command": command, "timeout": 0.5}),
+        call("read_file", {"path": "started"}),
         done,
     )
     with anyio.fail_after(20):
@@ -254,7 +255,8 @@ async def test_a_call_past_its_timeout_is_killed_and_the_model_told(backend: Bac
     answer = script.answer(0)
     assert answer.status == "error"
     assert str(answer.content).startswith("Error: the command timed out after 0.5 s and was killed")
-    assert await wait_dead(int(str(script.answer(1).content)))
+    assert str(script.answer(1).content) == "running\n"  # the command ran
+    assert await none_left(marker) == []  # and its 600 s sleep was killed
 
 
 async def test_a_tools_timeout_applies_to_every_call(backend: Backend) -> None:
@@ -282,15 +284,16 @@ async def test_large_output_is_bounded_and_says_so(backend: Backend) -> None:
 async def test_cancelling_a_run_kills_its_command_and_removes_its_workspace(
     tmp_path: Path,
 ) -> None:
-    script = Script(call("exec", {"command": "echo $$ > pid; exec sleep 30"}), done)
+    marker = unique_sleep()
+    script = Script(call("exec", {"command": f"exec sleep {marker}"}), done)
     async with (
         LocalBackend(pool_config(tmp_path)) as pool,
         Dispatcher(ToolRegistry(builtin_tools()), pool) as dispatcher,
     ):
         async with anyio.create_task_group() as group, session_tools(dispatcher) as tools:
             group.start_soon(run, tools, script)
-            pid = await wait_for_pid(tmp_path)
+            pid = await wait_sleeping(marker)  # the command runs: its host pid
             group.cancel_scope.cancel()
-        assert await wait_dead(pid)
+        assert await wait_dead(pid, within=10)  # SIGTERM, or SIGKILL after kill_grace (0.5 s)
         assert dispatcher.statistics().sessions_open == 0
     assert [n for n in os.listdir(tmp_path) if n.startswith("agent-backend-ws-")] == []

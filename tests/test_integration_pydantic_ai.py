@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 import pytest
-from support.proc_helpers import wait_dead
+from support.proc_helpers import none_left, unique_sleep, wait_dead, wait_sleeping
 from support.toolset_fixtures import (
     OUTAGE,
     OUTPUT_LIMIT,
@@ -25,7 +25,6 @@ from support.toolset_fixtures import (
     daemon_fixture,
     framework_missing,
     pool_config,
-    wait_for_pid,
 )
 
 from agent_backend import Dispatcher, ToolRegistry
@@ -336,9 +335,10 @@ async def test_an_infrastructure_failure_is_raised_not_shown(backend: Backend) -
 
 
 async def test_a_call_past_its_timeout_is_killed_and_the_model_told(backend: Backend) -> None:
+    marker = unique_sleep()  # found in the host's /proc by its command line
     script = Script(
-        call("exec", {"command": "echo $$ > pid; exec sleep 30"}),
-        call("read_file", {"path": "pid"}),
+        call("exec", {"command": f"echo running > started; exec sleep {marker}"}),
+        call("read_file", {"path": "started"}),
         done,
     )
     toolset = AgentBackendToolset(backend.runner, timeout=0.5)
@@ -347,7 +347,8 @@ async def test_a_call_past_its_timeout_is_killed_and_the_model_told(backend: Bac
     (part,) = script.returns[1]
     assert part.outcome == "failed"
     assert error_seen(part).startswith("Error: the command timed out after 0.5 s and was killed")
-    assert await wait_dead(int(seen(script.returns[2])))
+    assert seen(script.returns[2]) == "running\n"  # the command ran
+    assert await none_left(marker) == []  # and its 600 s sleep was killed
 
 
 async def test_the_model_s_own_timeout_argument_is_honoured(backend: Backend) -> None:
@@ -373,7 +374,8 @@ async def test_large_output_is_bounded_and_says_so(backend: Backend) -> None:
 async def test_cancelling_a_run_kills_its_command_and_removes_its_workspace(
     tmp_path: Path,
 ) -> None:
-    script = Script(call("exec", {"command": "echo $$ > pid; exec sleep 30"}), done)
+    marker = unique_sleep()
+    script = Script(call("exec", {"command": f"exec sleep {marker}"}), done)
     async with (
         LocalBackend(pool_config(tmp_path)) as pool,
         Dispatcher(ToolRegistry(builtin_tools()), pool) as dispatcher,
@@ -381,8 +383,8 @@ async def test_cancelling_a_run_kills_its_command_and_removes_its_workspace(
         agent = Agent(script.model(), toolsets=[AgentBackendToolset(dispatcher)])
         async with anyio.create_task_group() as group:
             group.start_soon(agent.run, "sleep")
-            pid = await wait_for_pid(tmp_path)  # the command runs
+            pid = await wait_sleeping(marker)  # the command runs: its host pid
             group.cancel_scope.cancel()
-        assert await wait_dead(pid)
+        assert await wait_dead(pid, within=10)  # SIGTERM, or SIGKILL after kill_grace (0.5 s)
         assert dispatcher.statistics().sessions_open == 0
     assert [n for n in os.listdir(tmp_path) if n.startswith("agent-backend-ws-")] == []

@@ -92,16 +92,16 @@ def _http_client(daemon: Daemon) -> Callable[[], Any]:
 
 async def _read_timeout(client: mcp.Client) -> None:
     marked = Marked()
-    pid: list[int] = []
+    pgid: list[int] = []
 
     async def watch() -> None:
-        pid.append(await marked.wait_started())
+        pgid.append(await marked.wait_started())
 
     async with anyio.create_task_group() as group:
         group.start_soon(watch)
         with pytest.raises(MCPError, match=r"[Tt]imed out|timeout"):
             await client.call_tool("exec", {"command": marked.command}, read_timeout_seconds=2.0)
-    await marked.assert_ended(pid[0])
+    await marked.assert_ended(pgid[0])
     # The connection is still good for the next call.
     assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
 
@@ -110,9 +110,9 @@ async def _caller_cancelled(client: mcp.Client) -> None:
     marked = Marked()
     async with anyio.create_task_group() as group:
         group.start_soon(client.call_tool, "exec", {"command": marked.command})
-        pid = await marked.wait_started()
+        pgid = await marked.wait_started()
         group.cancel_scope.cancel()  # the SDK sends notifications/cancelled
-    await marked.assert_ended(pid)
+    await marked.assert_ended(pgid)
     assert (await client.call_tool("exec", {"command": "echo after"})).content[0].text == "after\n"
 
 
@@ -135,9 +135,9 @@ async def test_stdio_client_gone_kills_the_command() -> None:
                 await client.call_tool("exec", {"command": marked.command})
 
         group.start_soon(call)
-        pid = await marked.wait_started()
+        pgid = await marked.wait_started()
         group.cancel_scope.cancel()  # the client closes the server's stdin and goes
-    await marked.assert_ended(pid)
+    await marked.assert_ended(pgid)
 
 
 async def test_stdio_writes_nothing_after_stdin_closed() -> None:
@@ -169,14 +169,14 @@ async def test_stdio_writes_nothing_after_stdin_closed() -> None:
         assert process.stdin is not None
         assert process.stdout is not None
         await process.stdin.send(b"".join(json.dumps(line).encode() + b"\n" for line in lines))
-        pid = await marked.wait_started()
+        pgid = await marked.wait_started()
         await process.stdin.aclose()
         written = b""
         with anyio.fail_after(15):
             async for chunk in process.stdout:
                 written += chunk
             assert await process.wait() == 0
-    await marked.assert_ended(pid)
+    await marked.assert_ended(pgid)
     replies = [json.loads(line) for line in written.splitlines()]
     assert [reply["id"] for reply in replies] == [0]  # initialize's answer, nothing after
 
@@ -236,7 +236,7 @@ async def test_http_notifications_cancelled_kills_the_command(
 
         async with anyio.create_task_group() as group:
             group.start_soon(call)
-            pid = await marked.wait_started()
+            pgid = await marked.wait_started()
             cancel = {
                 "jsonrpc": "2.0",
                 "method": "notifications/cancelled",
@@ -244,7 +244,7 @@ async def test_http_notifications_cancelled_kills_the_command(
             }
             response = await http.post("/mcp", json=cancel, headers=headers)
             assert response.status_code == 202
-        await marked.assert_ended(pid)
+        await marked.assert_ended(pgid)
     # No response to a cancelled request, as the spec asks: on HTTP, 202 and no body.
     assert answers[0].status_code == 202
     assert answers[0].content == b""
@@ -261,9 +261,9 @@ async def test_http_delete_ends_the_sessions_calls(daemon: Daemon) -> None:
 
         async with anyio.create_task_group() as group:
             group.start_soon(call)
-            pid = await marked.wait_started()
+            pgid = await marked.wait_started()
             assert (await http.delete("/mcp", headers=headers)).status_code == 204
-        await marked.assert_ended(pid)
+        await marked.assert_ended(pgid)
     assert answers[0].status_code == 202
 
 
@@ -307,14 +307,14 @@ async def test_http_stateless_notifications_cancelled(daemon: Daemon) -> None:
 
         async with anyio.create_task_group() as group:
             group.start_soon(call)
-            pid = await marked.wait_started()
+            pgid = await marked.wait_started()
             cancel = {
                 "jsonrpc": "2.0",
                 "method": "notifications/cancelled",
                 "params": {"requestId": "c-1"},
             }
             assert (await http.post("/mcp", json=cancel, headers=_MCP_HEADERS)).status_code == 202
-        await marked.assert_ended(pid)
+        await marked.assert_ended(pgid)
 
 
 async def _disconnect_during(daemon: Daemon, marked: Marked, headers: dict[str, str]) -> int:
@@ -325,17 +325,17 @@ async def _disconnect_during(daemon: Daemon, marked: Marked, headers: dict[str, 
                 await doomed.post("/mcp", json=_call(1, marked.command), headers=headers)
 
         group.start_soon(call)
-        pid = await marked.wait_started()
+        pgid = await marked.wait_started()
         group.cancel_scope.cancel()  # the connection is closed mid-request
-    return pid
+    return pgid
 
 
 async def test_http_disconnect_kills_the_command(daemon: Daemon) -> None:
     marked = Marked()
     async with daemon.async_http(timeout=30) as http:
         headers = await _initialize(http)
-        pid = await _disconnect_during(daemon, marked, headers)
-        await marked.assert_ended(pid)
+        pgid = await _disconnect_during(daemon, marked, headers)
+        await marked.assert_ended(pgid)
         # The session lives on: a later call on it runs.
         after = await http.post("/mcp", json=_call(2, "echo after"), headers=headers)
         assert after.json()["result"]["content"][0]["text"] == "after\n"

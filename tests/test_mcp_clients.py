@@ -214,7 +214,11 @@ async def test_cell(
     server = _server(transport, request)
     scenario = cells.build(cell, tmp_path)
     try:
-        outcome = await run(server, scenario)
+        async with anyio.create_task_group() as group:
+            if scenario.marker is not None:
+                group.start_soon(cells.watch_started, scenario)
+            outcome = await run(server, scenario)
+            group.cancel_scope.cancel()
         cells.CHECKS[cell](scenario, outcome)
         if scenario.marker is not None:
             exclude = frozenset(inspector.pids if inspector else ())

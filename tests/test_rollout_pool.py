@@ -316,14 +316,21 @@ async def test_stream_early_exit_commits_the_last_batch_and_stops_sampling(
 async def test_concurrency_is_bounded(policy_server: PolicyServer, tmp_path: Path) -> None:
     running = 0
     peak = 0
+    full = anyio.Event()
     registry = rollout_registry()
 
     @registry.tool
     async def hold() -> str:
-        """Hold a slot for a moment."""
+        """Hold a slot until three are held (once), then for a moment."""
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
+        if running >= 3:
+            full.set()
+        # Each episode's session starts a sandbox first, so episodes reach here at their own
+        # pace: wait for the third (bounded: a pool that never runs three at once fails).
+        with anyio.move_on_after(30):
+            await full.wait()
         await anyio.sleep(0.05)
         running -= 1
         return "held"

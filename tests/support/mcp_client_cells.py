@@ -120,9 +120,11 @@ class Scenario:
     calls: list[Call]
     #: Seconds after which the client itself gives up on a call (its own timeout option).
     client_timeout: float | None = None
-    #: A file the command writes its shell's pid to once it runs (the timeout cells).
+    #: A file the test writes once it sees the command run (the timeout cells; the command
+    #: itself runs in a sandbox and cannot write outside its workspace).
     started: Path | None = None
-    #: A string found in the command line of every process the command starts.
+    #: A string found in the command line of every process the command starts: the duration
+    #: of its ``sleep``.
     marker: str | None = None
     #: The calls must share one MCP session (a client that opens one per call needs its
     #: session mode here).
@@ -156,9 +158,10 @@ def build(cell: str, workdir: Path) -> Scenario:
         )
     if cell in ("timeout", "client_timeout"):
         started = workdir / f"started-{nonce}"
-        # A sleep of a duration no other process has: its digits find every process it started.
-        marker = f"30.{int(nonce, 16) % 10**6:06d}"
-        command = f"echo $$ > {started}; sleep {marker}; echo finished-{nonce}"
+        # A sleep of a duration no other process has: its digits find every process it started,
+        # and 600 s cannot end by itself within the waits of wait_gone.
+        marker = f"600.{int(nonce, 16) % 10**6:06d}"
+        command = f"sleep {marker}; echo finished-{nonce}"
         if cell == "timeout":
             return Scenario(cell, [exec_call(command, timeout=1)], started=started, marker=marker)
         return Scenario(
@@ -319,6 +322,33 @@ def processes_with(marker: str, *, exclude: frozenset[int] = frozenset()) -> lis
         if needle in cmdline and state not in ("Z", "X"):
             found.append(int(entry.name))
     return found
+
+
+def command_processes(scenario: Scenario) -> list[int]:
+    """Live processes of the scenario's command itself: its shell (``sh -c COMMAND``) and its
+    ``sleep MARKER``, never a client whose command line merely quotes the command."""
+    assert scenario.marker is not None
+    command = str(scenario.calls[0].arguments["command"]).encode()
+    found = []
+    for pid in processes_with(scenario.marker):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if command in argv[1:] or argv[1:] == [scenario.marker.encode()]:
+            found.append(pid)
+    return found
+
+
+async def watch_started(scenario: Scenario) -> None:
+    """Write ``scenario.started`` as soon as the command runs, seen in the host's ``/proc``
+    (run beside the client, cancelled when it is done; the command runs in a sandbox and
+    cannot write outside its workspace): the proof that the command ran, and what the
+    Inspector's driver waits for before its Ctrl-C."""
+    assert scenario.started is not None
+    while not command_processes(scenario):  # noqa: ASYNC110 - a state in /proc, no event
+        await anyio.sleep(0.01)
+    scenario.started.write_text("running\n")
 
 
 async def wait_gone(

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import NoReturn
 
-import anyio
 import pytest
 
 from agent_backend import Client, Dispatcher, ToolRegistry
@@ -31,6 +30,7 @@ from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import BackendUnavailable
 from support.daemon_fixtures import TOKEN
+from support.walls import passable
 
 #: Bytes of output the model sees per call.
 OUTPUT_LIMIT = 2048
@@ -44,21 +44,6 @@ def framework_missing(exc: ImportError, extra: str) -> NoReturn:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true and {reason}", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
-
-
-async def wait_for_pid(root: Path) -> int:
-    """The pid a command wrote to ``pid`` in its workspace under ``root``, once it has.
-
-    The test's commands run ``echo $$ > pid; exec sleep 30``: the pid is the
-    command's own, the leader of its process group.
-    """
-    with anyio.fail_after(10):
-        while True:
-            async for path in anyio.Path(root).glob("agent-backend-ws-*/pid"):
-                text = await path.read_text()
-                if text.endswith("\n"):
-                    return int(text)
-            await anyio.sleep(0.01)
 
 
 def make_registry() -> ToolRegistry:
@@ -91,7 +76,7 @@ class Backend:
 @pytest.fixture(name="toolset_daemon", scope="module")
 def daemon_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     """The daemon serving :func:`make_registry`: its URL and its workspace directory."""
-    root = tmp_path_factory.mktemp("daemon-workspaces")
+    root = passable(tmp_path_factory.mktemp("daemon-workspaces"))  # reached by sandboxes' uids
     settings = DaemonSettings(tokens=(TOKEN,), port=0, grace=2.0)
     with run_in_thread(
         make_registry(), settings, pool=pool_config(root), output_limit=OUTPUT_LIMIT

@@ -30,6 +30,7 @@ import anyio
 import httpx
 import pytest
 from support.proc_helpers import pid_alive
+from support.walls import require_walls
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult
@@ -43,19 +44,9 @@ HOME = os.path.expanduser("~")
 LIMITS = SandboxLimits(memory_mb=96, tasks=48, cpus=1.0, open_files=256, tmp_mb=16)
 
 
-def _require_walls() -> None:
-    missing = missing_for_namespaces()
-    if not missing:
-        return
-    reason = "the namespaces tier cannot run here: " + "; ".join(missing)
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture
 async def walled() -> AsyncIterator[LocalHost]:
-    _require_walls()
+    require_walls()
     config = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=2)
     async with LocalBackend(config) as backend:
         yield backend.host
@@ -134,7 +125,7 @@ async def test_a_pool_that_cannot_have_its_walls_refuses_to_start() -> None:
 
 
 async def test_a_workspace_root_sandboxes_cannot_reach_is_refused(tmp_path: Path) -> None:
-    _require_walls()
+    require_walls()
     closed = tmp_path / "closed"
     closed.mkdir(mode=0o700)
     config = LocalPoolConfig(
@@ -478,7 +469,7 @@ def _cgroups_of(token: str) -> list[str]:
 async def test_a_successor_removes_everything_a_killed_owner_left(
     tmp_path: Path, round_: int
 ) -> None:
-    _require_walls()
+    require_walls()
     state = tmp_path / "state"
     marker = f"6{secrets.randbelow(10**6)}.5"
     # A root of this test's own (pytest's tmp_path is closed to other uids): no other backend
@@ -514,7 +505,7 @@ async def _kill_and_succeed(state: Path, marker: str, root: str) -> None:
 def test_through_the_daemon_a_command_reaches_neither_the_daemon_nor_another_session() -> None:
     """The daemon (a real uvicorn) on a walled pool: a tool cannot call it, see it, or read
     another session's workspace, with the token in hand or not."""
-    _require_walls()
+    require_walls()
     from support.daemon_fixtures import TOKEN, make_registry
 
     from agent_backend.daemon import DaemonSettings, run_in_thread
@@ -576,7 +567,7 @@ def _sandbox_processes(uid: int) -> dict[int, tuple[str, int]]:
 
 
 async def test_an_idle_sandbox_lets_its_agent_go_and_wakes_it_for_the_next_call() -> None:
-    _require_walls()
+    require_walls()
     config = LocalPoolConfig(limits=LIMITS, spare_workspaces=0, sandbox_agent_idle=0.2)
     async with LocalBackend(config) as backend:
         host = backend.host

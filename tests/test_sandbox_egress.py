@@ -36,11 +36,12 @@ from typing import Any
 
 import anyio
 import pytest
+from support.walls import require_walls
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult
 from agent_backend.errors import PoolClosed, SandboxUnavailable
-from agent_backend.sandbox import EgressRelay, SandboxLimits, guarantees_of, missing_for_namespaces
+from agent_backend.sandbox import EgressRelay, SandboxLimits, guarantees_of
 from agent_backend.sandbox.egress import (
     MAX_CONNECTIONS,
     EgressStatistics,
@@ -53,16 +54,6 @@ pytestmark = pytest.mark.anyio
 LIMITS = SandboxLimits(memory_mb=256, tasks=64, cpus=1.0, open_files=512, tmp_mb=16)
 # Far beyond what a refusal or a relayed round trip takes on this machine: a backstop only.
 BACKSTOP = 30
-
-
-def _require_walls() -> None:
-    missing = missing_for_namespaces()
-    if not missing:
-        return
-    reason = "the namespaces tier cannot run here: " + "; ".join(missing)
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}")
-    pytest.skip(reason)
 
 
 # -- real servers ------------------------------------------------------------------------------
@@ -211,7 +202,7 @@ def peer_namespace() -> Iterator[tuple[str, int, str]]:
 
 @contextlib.asynccontextmanager
 async def egress_pool(*allowed: str, spares: int = 0) -> AsyncIterator[LocalHost]:
-    _require_walls()
+    require_walls()
     config = LocalPoolConfig(
         isolation="namespaces", limits=LIMITS, spare_workspaces=spares, egress_allow=allowed
     )
@@ -354,7 +345,7 @@ async def test_allowed_round_trips_both_ways_and_everything_else_fails_at_once()
 
 
 async def test_a_destination_in_another_namespace_is_reached_through_the_sandboxs_lo() -> None:
-    _require_walls()
+    require_walls()
     ip = shutil.which("ip")
     with peer_namespace() as (peer, port, beside):
         async with egress_pool(f"{peer}:{port}") as host:
@@ -480,7 +471,7 @@ async def test_a_restarted_sandbox_gets_its_relays_again() -> None:
 
 
 async def test_nothing_is_left_after_aclose() -> None:
-    _require_walls()
+    require_walls()
     sockets_before = _socket_inodes()
     assert _egress_threads() == []
     with serving("127.0.0.1") as server:
@@ -526,7 +517,7 @@ async def test_nothing_is_left_after_aclose() -> None:
 
 
 async def test_a_name_that_does_not_resolve_refuses_the_pool() -> None:
-    _require_walls()
+    require_walls()
     name = f"nowhere-{secrets.token_hex(4)}.invalid"
     with pytest.raises(SandboxUnavailable, match="egress_allow") as caught:
         async with egress_pool(f"{name}:80"):

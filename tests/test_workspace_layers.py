@@ -21,27 +21,18 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import pytest
+from support.walls import require_walls
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host
 from agent_backend.errors import BackendUnavailable, PoolError
-from agent_backend.sandbox import SandboxLimits, guarantees_of, missing_for_namespaces
+from agent_backend.sandbox import SandboxLimits, guarantees_of
 from agent_backend.sandbox.layers import mount_points
 
 pytestmark = pytest.mark.anyio
 
 LIMITS = SandboxLimits(memory_mb=256, tasks=64, tmp_mb=16)
 QUOTA_MB = 8
-
-
-def _require_walls() -> None:
-    missing = missing_for_namespaces()
-    if not missing:
-        return
-    reason = "the namespaces tier cannot run here: " + "; ".join(missing)
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"CI=true and {reason}")
-    pytest.skip(reason)
 
 
 def _mounts_in(root: Path | str) -> list[str]:
@@ -64,7 +55,7 @@ def _config(root: Path, **overrides: object) -> LocalPoolConfig:
 
 @pytest.fixture
 async def walled(tmp_path: Path) -> AsyncIterator[LocalHost]:
-    _require_walls()
+    require_walls()
     root = tmp_path / "root"
     async with LocalBackend(_config(root)) as backend:
         yield backend.host
@@ -74,7 +65,7 @@ async def walled(tmp_path: Path) -> AsyncIterator[LocalHost]:
 
 @pytest.fixture
 async def quota(tmp_path: Path) -> AsyncIterator[LocalHost]:
-    _require_walls()
+    require_walls()
     root = tmp_path / "root"
     async with LocalBackend(_config(root, workspace_quota_mb=QUOTA_MB)) as backend:
         yield backend.host
@@ -399,7 +390,7 @@ def _fork_and_die(state: Path, root: Path, quota: str) -> str:
 async def test_a_successor_unmounts_and_removes_what_a_killed_owner_forked(
     tmp_path: Path, quota_mb: str
 ) -> None:
-    _require_walls()
+    require_walls()
     state, root = tmp_path / "state", tmp_path / "root"
     root.mkdir(mode=0o711)
     token = await anyio.to_thread.run_sync(_fork_and_die, state, root, quota_mb)

@@ -346,8 +346,10 @@ async def watch_started(scenario: Scenario) -> None:
     cannot write outside its workspace): the proof that the command ran, and what the
     Inspector's driver waits for before its Ctrl-C."""
     assert scenario.started is not None
-    while not command_processes(scenario):  # noqa: ASYNC110 - a state in /proc, no event
-        await anyio.sleep(0.01)
+    # Each look reads every process's command line: in a worker thread, never on the loop the
+    # client runs on (on a busy machine a scan on the loop starved the client's own start).
+    while not await anyio.to_thread.run_sync(command_processes, scenario):  # noqa: ASYNC110
+        await anyio.sleep(0.05)  # a state in /proc: no event to wait on
     scenario.started.write_text("running\n")
 
 

@@ -64,9 +64,10 @@ class Marked:
 
 
 async def _until(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    """Wait, bounded, for a state outside this process (a file, /proc): no event to await."""
+    """Wait, bounded, for a state outside this process (/proc): no event to await. Each look
+    scans /proc in a worker thread, off the loop that the client under test runs on."""
     with anyio.fail_after(within):
-        while not predicate():  # noqa: ASYNC110
+        while not await anyio.to_thread.run_sync(predicate):  # noqa: ASYNC110
             await anyio.sleep(0.02)
 
 

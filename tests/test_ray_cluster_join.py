@@ -34,6 +34,7 @@ import pytest
 from support.policy_server import PolicyServer, Reply, Turn, policy_server_fixture
 from support.ports import unused_port
 from support.ray_cluster import HOST, WORKER_RESOURCE, RayStartCluster, ray_start_missing_reason
+from support.walls import passable
 
 from agent_backend.errors import ConfigError
 from agent_backend.pool_file import pool_config_from_dict
@@ -131,7 +132,8 @@ def shout_script(turn: Turn) -> Reply:
 def shipped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The tool code only the drivers have: a working_dir folder, a one-file py_module, and a
     rollout tools_dir (one tool file)."""
-    root = tmp_path_factory.mktemp("shipped")
+    # Passable: the rollout scenario's workspaces are made under it, for sandboxes' own uids.
+    root = passable(tmp_path_factory.mktemp("shipped"))
     folder = root / "working_dir"
     folder.mkdir()
     (folder / "shipped_tools.py").write_text(WHERE)
@@ -386,6 +388,7 @@ def test_rollout_workers_get_the_tool_files_not_the_drivers_path(
     records = _served(outcome)
     assert not shipped["tools_dir"].exists()  # deleted before the workers started
     requests = policy_server.requests_for(SHOUT_MODEL)
+    assert len(requests) >= 2, outcome.explain()  # the tool call's turn, and the answer's
     offered = {tool["function"]["name"] for tool in requests[0]["tools"]}
     assert {"shout", "where"} <= offered, offered  # the tools_dir file and the shipped function
     tool_messages = [m for m in requests[1]["messages"] if m.get("role") == "tool"]

@@ -192,11 +192,16 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+# Each look below reads every process's command line: in a worker thread, never on the event
+# loop that the client or the pool under test runs on (on a busy machine, scans on the loop
+# starve it).
+
+
 async def wait_sleeping(marker: str, within: float = 15.0) -> int:
     """The host pid of the command's ``sleep MARKER``, once it runs (bounded wait)."""
     with anyio.fail_after(within):
-        while not (found := sleeping(marker)):  # noqa: ASYNC110 - a state in /proc, no event
-            await anyio.sleep(0.01)
+        while not (found := await anyio.to_thread.run_sync(sleeping, marker)):  # noqa: ASYNC110
+            await anyio.sleep(0.02)  # a state in /proc: no event to wait on
     return found[0]
 
 
@@ -204,7 +209,9 @@ async def none_left(marker: str, within: float = 15.0) -> list[int]:
     """Wait (bounded) until no process has ``marker`` in its command line; the survivors, if
     some still run after ``within`` seconds."""
     deadline = time.monotonic() + within
-    while (left := processes_with(marker)) and time.monotonic() < deadline:  # noqa: ASYNC110
+    while (left := await anyio.to_thread.run_sync(processes_with, marker)) and (  # noqa: ASYNC110
+        time.monotonic() < deadline
+    ):
         await anyio.sleep(0.02)
     return left
 

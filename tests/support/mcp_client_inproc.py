@@ -72,6 +72,9 @@ def pydantic_ai_toolset(server: Server, *, read_timeout: float | None = None) ->
     from pydantic_ai.mcp import MCPToolset
 
     options: dict[str, Any] = {} if read_timeout is None else {"read_timeout": read_timeout}
+    # `agent-backend mcp` answers initialize in 2-3 s on an idle machine (imports), more on a
+    # busy one: past pydantic-ai's default 5 s (docs/integrations.md passes the same).
+    options["init_timeout"] = 60
     if server.transport == "stdio":
         transport = StdioTransport(
             command=server.command[0],

@@ -11,11 +11,15 @@ the pid, one with the exit status. The agent starts each command in a process
 group of its own, and kills what a command leaves once it is the session's
 only one to have run.
 
-Ending a sandbox is killing its outer process: bwrap's ``--die-with-parent``
-takes the sandbox's init with it, and the kernel the whole PID namespace; the
-backend then empties the cgroups (:meth:`CgroupTree.remove` freezes them first).
-A sandbox that dies on its own (its agent killed by the OOM killer) fails the
-calls in flight and is started again for the next one.
+Ending a sandbox is killing its outer process and closing its socket: the
+sandbox's init (a shell, PID 1) reads end of file and exits, and the kernel
+ends the whole PID namespace; the backend then empties the cgroups
+(:meth:`CgroupTree.remove` freezes them first). A sandbox whose agent dies on
+its own (killed, out of memory) ends the same way (its init exits), fails the
+calls in flight and is started again for the next one. An agent idle for
+``sandbox_agent_idle`` seconds asks to leave and is let go when no call is
+pending; the next message is preceded by a wake-up (one newline) that makes the
+init start it again.
 
 With an egress allow-list, the agent's ready message carries its network
 namespace, which the pool's :class:`~agent_backend.sandbox.EgressRelay` gives its

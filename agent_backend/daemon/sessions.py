@@ -9,7 +9,9 @@ This module must never hand one token's session to another.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import anyio
 
@@ -45,20 +47,26 @@ class SessionTable:
         owned_now = sum(1 for owned in self._sessions.values() if owned.principal == principal)
         return owned_now + self._opening.get(principal, 0)
 
+    @contextlib.contextmanager
+    def _reserving(self, principal: str, n: int) -> Iterator[None]:
+        """Count ``n`` sessions of ``principal`` as open while they are being made."""
+        self._opening[principal] = self._opening.get(principal, 0) + n
+        try:
+            yield
+        finally:
+            self._opening[principal] -= n
+            if not self._opening[principal]:
+                del self._opening[principal]
+
     async def open(self, principal: str) -> Session:
         if self._count(principal) >= self.max_per_token:
             raise TooManySessions(
                 f"this token has {self.max_per_token} sessions open; close one first",
                 limit=self.max_per_token,
             )
-        self._opening[principal] = self._opening.get(principal, 0) + 1
-        try:
+        with self._reserving(principal, 1):
             session = self.dispatcher.session()
             await session.open()
-        finally:
-            self._opening[principal] -= 1
-            if not self._opening[principal]:
-                del self._opening[principal]
         self._sessions[session.id] = _Owned(session, principal)
         return session
 
@@ -72,13 +80,8 @@ class SessionTable:
                 "that: close some first",
                 limit=self.max_per_token,
             )
-        self._opening[principal] = self._opening.get(principal, 0) + n
-        try:
+        with self._reserving(principal, n):
             forks = await session.fork(n)
-        finally:
-            self._opening[principal] -= n
-            if not self._opening[principal]:
-                del self._opening[principal]
         for fork in forks:
             self._sessions[fork.id] = _Owned(fork, principal)
         return forks

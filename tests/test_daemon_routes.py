@@ -164,6 +164,11 @@ def test_client_mistakes_get_4xx_json(daemon: Daemon) -> None:
             "not json": http.post(
                 "/v1/call", content=b"{not json", headers={"content-type": "application/json"}
             ),
+            "fork body not UTF-8": http.post(
+                "/v1/sessions/s-x/fork",
+                content=b"45:\x15\r\xff",
+                headers={"content-type": "application/json"},
+            ),
             "missing name": http.post("/v1/call", json={"arguments": {}}),
             "extra key": http.post("/v1/call", json={"name": "echo", "nme": 1}),
             "bad timeout": http.post("/v1/call", json={"name": "echo", "timeout": -1}),
@@ -176,6 +181,7 @@ def test_client_mistakes_get_4xx_json(daemon: Daemon) -> None:
         assert error["type"] in {"NotFound", "MethodNotAllowed", "InvalidRequest"}, what
         assert error["message"], what
     assert cases["missing name"].json()["error"]["fields"]["issues"][0]["loc"] == ["body", "name"]
+    assert cases["fork body not UTF-8"].status_code == 422  # as the OpenAPI document says
 
 
 def test_openapi_lists_the_routes_and_needs_a_token(daemon: Daemon) -> None:

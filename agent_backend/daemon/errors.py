@@ -135,6 +135,9 @@ def validation_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{where}: {first['msg']}{more}", issues=shown)
 
 
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
 def install_exception_handlers(app: FastAPI) -> None:
     """Make every error a route raises an :class:`ErrorBody` with the right status."""
 
@@ -147,6 +150,10 @@ def install_exception_handlers(app: FastAPI) -> None:
         error: DaemonError
         if exc.status_code == 404:
             error = NotFound(f"no route {clip(request.url.path, 200)}")
+        elif exc.status_code == 400 and request.method in _BODY_METHODS:
+            # FastAPI's answer to a body json cannot even decode (not UTF-8): a 422 like any
+            # other body that is not JSON, as the OpenAPI document says.
+            error = validation_error([{"loc": ["body"], "msg": "not UTF-8 JSON"}])
         elif exc.status_code == 405:
             error = MethodNotAllowed(
                 f"{request.method} is not allowed on {clip(request.url.path, 200)}"

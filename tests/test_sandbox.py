@@ -22,9 +22,11 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -34,7 +36,7 @@ from support.walls import require_walls
 
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
 from agent_backend.dispatch.backend import Command, CommandResult
-from agent_backend.errors import SandboxUnavailable
+from agent_backend.errors import BackendUnavailable, SandboxUnavailable
 from agent_backend.sandbox import CgroupTree, SandboxLimits, missing_for_namespaces
 from agent_backend.sandbox.registry import UID_BASE, UID_COUNT
 
@@ -300,6 +302,49 @@ async def test_closing_a_session_removes_its_uid_cgroups_and_workspace(walled: L
         await anyio.sleep(0.01)
     assert uid not in registry.uids()
     assert not await anyio.Path(workspace).exists()
+
+
+async def test_the_cap_on_sandboxes_counts_those_not_yet_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``max_sandboxes`` counts a sandbox when it is asked for: with two still being built, a
+    third session past the cap is refused at once, and a closed one frees its place."""
+    require_walls()
+    config = LocalPoolConfig(isolation="namespaces", max_sandboxes=3, spare_workspaces=0)
+    async with LocalBackend(config) as backend:
+        host = backend.host  # its scratch directory holds the first sandbox
+        building, release = threading.Semaphore(0), threading.Event()
+        start = LocalHost._start_sandbox
+
+        def held_start(self: LocalHost, root: str, walls: Any) -> None:
+            building.release()
+            assert release.wait(120)  # bounded: the test sets it
+            start(self, root, walls)
+
+        monkeypatch.setattr(LocalHost, "_start_sandbox", held_start)
+        made: list[str] = []
+        async with anyio.create_task_group() as group:
+            for _ in range(2):
+                group.start_soon(lambda: _append(made, host.make_workspace()))
+            for _ in range(2):  # both counted, neither ready
+                assert await anyio.to_thread.run_sync(building.acquire, True, 120)
+            with pytest.raises(BackendUnavailable, match="max_sandboxes = 3"):
+                await host.make_workspace()
+            release.set()
+        assert len(made) == 2
+        assert (await sh(host, "echo ready", made[0])).stdout.text() == "ready\n"
+        await host.remove_workspace(made[0])
+        for _ in range(12000):  # bounded: the keeper's threads remove it, then the place is free
+            try:
+                made[0] = await host.make_workspace()
+                break
+            except BackendUnavailable:
+                await anyio.sleep(0.01)
+        assert (await sh(host, "echo again", made[0])).stdout.text() == "again\n"
+
+
+async def _append(into: list[str], made: Any) -> None:
+    into.append(await made)
 
 
 # -- limits ------------------------------------------------------------------------------------------

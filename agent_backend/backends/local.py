@@ -35,6 +35,7 @@ import posixpath
 import secrets
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import ClassVar
@@ -170,6 +171,10 @@ class LocalHost(Host):
         self._registry: Registry | None = None
         self._cgroups: CgroupTree | None = None
         self._walls: dict[str, _Walls] = {}
+        # Sandboxes counted from the moment one is asked for (max_sandboxes), under this lock:
+        # the keeper's threads make them too.
+        self._sandbox_count = 0
+        self._count_lock = threading.Lock()
         # The loop that reads the sandboxes' agents (set at start; they are made in threads).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._egress: EgressRelay | None = None  # egress_allow: every sandbox's relays
@@ -357,9 +362,11 @@ class LocalHost(Host):
         registry, cgroups, layers = self._registry, self._cgroups, self._layers
         if registry is None or cgroups is None or layers is None:
             raise PoolClosed("the local backend is closed")
-        uid = registry.claim_uid()
+        self._count_sandbox()
         walls: _Walls | None = None
+        uid: int | None = None
         try:
+            uid = registry.claim_uid()
             os.chown(path, uid, uid)
             walls = _Walls(uid, cgroups.make(_suffix(path), self.config.limits))
             if not (layered or (layers.quota_mb is not None and self._is_spare(path))):
@@ -369,9 +376,28 @@ class LocalHost(Host):
             layers.release(path)
             if walls is not None:
                 cgroups.remove(walls.cgroup)
-            registry.release_uid(uid)
+            if uid is not None:
+                registry.release_uid(uid)
+            self._uncount_sandbox()
             raise
         self._walls[_suffix(path)] = walls
+
+    def _count_sandbox(self) -> None:
+        """Count one more sandbox, or refuse it: ``max_sandboxes`` are live or being made."""
+        limit = self.config.max_sandboxes
+        with self._count_lock:
+            if self._sandbox_count >= limit:
+                raise BackendUnavailable(
+                    f"the local pool holds its most sandboxes (max_sandboxes = {limit}); "
+                    "close a session, or retry later",
+                    backend="local",
+                    host=self.name,
+                )
+            self._sandbox_count += 1
+
+    def _uncount_sandbox(self) -> None:
+        with self._count_lock:
+            self._sandbox_count -= 1
 
     def _start_sandbox(self, root: str, walls: _Walls) -> None:
         cgroups = self._cgroups
@@ -423,8 +449,10 @@ class LocalHost(Host):
         if self._layers is not None:  # its mounts (overlay, quota, a grader's assets)
             self._layers.release(path)
         remove_tree(path)
-        if walls is not None and self._registry is not None:
-            self._registry.release_uid(walls.uid)
+        if walls is not None:
+            if self._registry is not None:
+                self._registry.release_uid(walls.uid)
+            self._uncount_sandbox()  # its processes gone, its uid free
 
     def _detach(self, path: str) -> None:
         """On the event loop: stop watching the sandbox of ``path`` before a thread ends it."""

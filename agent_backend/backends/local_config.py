@@ -67,6 +67,11 @@ class LocalPoolConfig(ConfigModel):
     a write past it fails with ENOSPC. Its pages are memory, charged to the memory cgroup of
     whoever wrote them (``limits.memory_mb`` of its session). None: no quota, the workspace root's
     filesystem is the bound. Not allowed under ``isolation = "none"`` (nothing would enforce it)."""
+    max_sandboxes: int = pydantic.Field(default=1024, ge=2, le=1 << 16)
+    """The most sandboxes this pool holds at once under ``isolation = "namespaces"`` (sessions',
+    spares', forks', graders' and the scratch directory's), counted when one is created, before
+    it is ready. Past it, opening a session (or a fork) fails at once with
+    :class:`~agent_backend.errors.BackendUnavailable` (HTTP 503) and no spare is made."""
     sandbox_read_only: tuple[ConfigPath, ...] = ()
     """More host paths every sandbox sees read-only at their own paths (a virtual environment,
     a dataset), beside the system directories; only under ``isolation = "namespaces"``."""

@@ -94,6 +94,7 @@ class WorkspaceKeeper:
         self._trash: collections.deque[str] = collections.deque()
         self._failed: list[str] = []  # trash the threads could not remove
         self._making = 0  # spares being made by a thread right now
+        self._spares_failing = False  # the last spare could not be made (logged once)
         self._in_use = 0
         self._target = 0  # spares to keep: the most in use at once, at most max_spares
         self._closing = False
@@ -263,7 +264,9 @@ class WorkspaceKeeper:
                     with self._lock:
                         self._making -= 1
                         self._target = 0  # no more spares until the disk takes them again
-                    logger.warning("could not make a spare workspace: %s", exc)
+                        first, self._spares_failing = not self._spares_failing, True
+                    if first:  # once per streak: each later take tries again, quietly
+                        logger.warning("could not make a spare workspace: %s", exc)
                 continue
             if kind == "make":
                 self._loop.call_soon_threadsafe(self._hand_over, item, path, None)
@@ -271,6 +274,7 @@ class WorkspaceKeeper:
                 with self._lock:
                     self._making -= 1
                     self._spares.append(path)
+                    self._spares_failing = False
 
     async def aclose(self) -> list[str]:
         """Stop the threads (after the pending removals); return the directories left to remove:

@@ -36,30 +36,77 @@ descriptor it was handed, and never outlive its socket.
 
 from __future__ import annotations
 
+# The C modules under the standard ones (``_socket``, ``_signal``, ``_json``, ``_ctypes``): the
+# agent starts at every sandbox's birth and wake-up, and ``socket``, ``signal``, ``json``,
+# ``contextlib``, ``typing`` and ``ctypes`` would double its start (their enums, regular
+# expressions and classes: ~30 ms of a ~60 ms start here). So no contextlib.suppress either:
+# ruff: noqa: SIM105
+import _ctypes
+import _json
+import _signal  # type: ignore[import-not-found]  # no stubs: signal.py re-exports it
+import _socket
 import array
-import contextlib
-import json
 import os
 import select
-import signal
-import socket
 import sys
 import time
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 3
 
 
-def _send(control: socket.socket, message: dict[str, Any]) -> None:
-    with contextlib.suppress(OSError):
-        control.send(json.dumps(message).encode())
+class _JsonContext:
+    """What ``_json``'s scanner reads of ``json.JSONDecoder``."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    parse_constant = float
 
 
-def _send_ready(control: socket.socket) -> None:
+def _not_serializable(value: object) -> object:
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+_scan = _json.make_scanner(_JsonContext())  # type: ignore[arg-type]
+_encode = _json.make_encoder(
+    None, _not_serializable, _json.encode_basestring_ascii, None, ":", ",", False, False, True
+)
+
+
+def _loads(data: bytes) -> Any:
+    """``json.loads`` of one whole message (``ValueError`` when it is not one JSON value)."""
+    text = data.decode()
+    try:
+        value, end = _scan(text, 0)
+    except StopIteration as exc:
+        raise ValueError(f"not JSON at {exc.value}") from None
+    if text[end:].strip():
+        raise ValueError(f"not JSON past {end}")
+    return value
+
+
+def _dumps(message: dict[str, Any]) -> bytes:
+    return "".join(_encode(message, 0)).encode()
+
+
+def _send(control: _socket.socket, message: dict[str, Any]) -> None:
+    try:
+        control.send(_dumps(message))
+    except OSError:
+        pass
+
+
+def _send_ready(control: _socket.socket) -> None:
     """``{"ready": pid}``, with this sandbox's network namespace when it can be opened (without
     it, a backend with egress relays refuses the sandbox)."""
-    message = json.dumps({"ready": os.getpid()}).encode()
+    message = _dumps({"ready": os.getpid()})
     try:
         netns = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -67,20 +114,21 @@ def _send_ready(control: socket.socket) -> None:
         return
     try:
         rights = array.array("i", [netns]).tobytes()
-        with contextlib.suppress(OSError):
-            control.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+        control.sendmsg([message], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+    except OSError:
+        pass
     finally:
         os.close(netns)
 
 
-def _receive(control: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+def _receive(control: _socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the descriptors it carried; None at end of file."""
     fds = array.array("i")
     data, ancillary, _flags, _address = control.recvmsg(
-        _MAX_MESSAGE, socket.CMSG_SPACE(_MAX_FDS * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+        _MAX_MESSAGE, _socket.CMSG_SPACE(_MAX_FDS * fds.itemsize), _socket.MSG_CMSG_CLOEXEC
     )
     for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     if not data:
         for fd in fds:
@@ -88,13 +136,30 @@ def _receive(control: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
         return None, []
     if not data.strip():  # a wake-up meant for the shell: nothing to do
         return {"op": "wake"}, list(fds)
-    return json.loads(data), list(fds)
+    message = _loads(data)
+    if not isinstance(message, dict):
+        raise ValueError("a message is a JSON object")
+    return message, list(fds)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def _kill(pid: int, signum: int, *, group: bool) -> None:
+    try:
+        (os.killpg if group else os.kill)(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 class Agent:
     """The commands running in this sandbox, by the backend's call id."""
 
-    def __init__(self, control: socket.socket) -> None:
+    def __init__(self, control: _socket.socket) -> None:
         self.control = control
         self.leaders: dict[int, int] = {}  # pid -> call id
 
@@ -116,7 +181,7 @@ class Agent:
                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)],
                 setpgroup=0,
                 setsigmask=(),
-                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD),
+                setsigdef=(_signal.SIGPIPE, _signal.SIGXFSZ, _signal.SIGCHLD),
             )
         except OSError as exc:
             filename = exc.filename if exc.filename is not None else message["argv"][0]
@@ -129,18 +194,18 @@ class Agent:
             return
         finally:
             for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            with contextlib.suppress(OSError):
+                _close(fd)
+            try:
                 os.chdir("/")
+            except OSError:
+                pass
         self.leaders[pid] = call
         _send(self.control, {"id": call, "pid": pid})
 
     def signal(self, message: dict[str, Any]) -> None:
         for pid, call in self.leaders.items():
             if call == message["id"]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, int(message["signal"]))
+                _kill(pid, int(message["signal"]), group=True)
 
     def reap(self) -> None:
         while self.leaders:
@@ -151,8 +216,7 @@ class Agent:
             if pid == 0:
                 return
             call = self.leaders.pop(pid, None)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+            _kill(pid, _signal.SIGKILL, group=True)
             if not self.leaders:
                 kill_everything_else()
             if call is not None:
@@ -163,8 +227,7 @@ def kill_everything_else() -> None:
     """SIGKILL every process of this PID namespace but its init and this agent, and return once
     they are dead (bounded): a process forking as it is killed is caught by a later round."""
     for _ in range(2000):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(-1, signal.SIGKILL)
+        _kill(-1, _signal.SIGKILL, group=False)
         if not _others_alive():
             return
         time.sleep(0.001)
@@ -185,26 +248,37 @@ def _others_alive() -> bool:
     return False
 
 
+class _Int(_ctypes._SimpleCData):  # type: ignore[type-arg]  # ctypes.c_int
+    _type_ = "i"
+
+
+class _Function(_ctypes.CFuncPtr):  # a libc function returning int, errno kept
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = _Int
+
+
+class _Libc:
+    _handle = _ctypes.dlopen(None)  # type: ignore[arg-type]  # this process's symbols
+
+
 def _not_dumpable() -> None:
     """No ptrace of this agent by the commands, though they share its uid (``PR_SET_DUMPABLE``
     0; each command is dumpable again after its exec)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(4, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
+    prctl = _Function(("prctl", _Libc()))  # type: ignore[arg-type]  # what CDLL gives it
+    if prctl(4, 0, 0, 0, 0) != 0:
+        raise OSError(_ctypes.get_errno(), "prctl(PR_SET_DUMPABLE) failed")
 
 
 def main() -> None:
     _not_dumpable()
-    control = socket.socket(fileno=os.dup(0))
+    control = _socket.socket(fileno=os.dup(0))
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)  # the socket stays ours alone (close-on-exec), not the commands'
     os.close(devnull)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
+    _signal.set_wakeup_fd(wake_write)
+    _signal.signal(_signal.SIGCHLD, lambda *_: None)
     agent = Agent(control)
     idle = float(sys.argv[1]) if len(sys.argv) > 1 else None
     _send_ready(control)
@@ -238,7 +312,7 @@ def main() -> None:
                 agent.run(message, fds)
             else:
                 for extra in fds:
-                    os.close(extra)
+                    _close(extra)
                 if message.get("op") == "signal":
                     agent.signal(message)
         agent.reap()

@@ -433,6 +433,34 @@ async def test_privileged_doors_stay_shut(
     assert "BROKE" not in result.stdout.text(), (attack, result)
 
 
+_TRACE_INIT = """
+import ctypes, errno, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+child = subprocess.Popen(["sleep", "60"])
+print("own child", libc.ptrace(0x4206, child.pid, 0, 0))  # PTRACE_SEIZE: ptrace works here
+child.kill()
+print("init", libc.ptrace(0x4206, 1, 0, 0), errno.errorcode.get(ctypes.get_errno()))
+for path, mode in (("/proc/1/mem", "r+b"), ("/proc/1/exe", "rb")):
+    try:
+        open(path, mode).close()
+        print(path, "opened")
+    except OSError as exc:
+        print(path, errno.errorcode[exc.errno])
+"""
+
+
+async def test_the_init_cannot_be_traced_read_or_written(walled: LocalHost) -> None:
+    """The namespace's init (PID 1, a shell that outlives every call) shares the commands' uid;
+    it runs from an execute-only file, so it is not dumpable: no ptrace, no ``/proc/1/mem``
+    (a command could otherwise make it start processes that outlive their call)."""
+    workspace = await walled.make_workspace()
+    result = await sh(walled, f"python3 -c '{_TRACE_INIT}'", workspace)
+    assert result.exit_status == 0, result
+    lines = result.stdout.text().splitlines()
+    assert lines[0] == "own child 0"
+    assert lines[1:] == ["init -1 EPERM", "/proc/1/mem EACCES", "/proc/1/exe EACCES"]
+
+
 # -- the network -----------------------------------------------------------------------------------
 
 

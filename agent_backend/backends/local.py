@@ -49,6 +49,7 @@ from agent_backend.backends.local_config import LocalPoolConfig
 from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
 from agent_backend.backends.local_sandbox import (
     AGENT_VARIABLE,
+    InitShell,
     SandboxDied,
     SandboxProcess,
     agent_argv,
@@ -82,7 +83,7 @@ from agent_backend.sandbox import (
     remove_dead_owner,
     sandbox_argv,
 )
-from agent_backend.sandbox.bwrap import SYSTEM_PATHS
+from agent_backend.sandbox.bwrap import INIT_PATH, SYSTEM_PATHS
 from agent_backend.sandbox.layers import Method, Stack, copy_tree
 
 __all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
@@ -178,6 +179,7 @@ class LocalHost(Host):
         # The loop that reads the sandboxes' agents (set at start; they are made in threads).
         self._loop: asyncio.AbstractEventLoop | None = None
         self._egress: EgressRelay | None = None  # egress_allow: every sandbox's relays
+        self._init: InitShell | None = None  # every sandbox's init, execute-only
         # Forks and snapshots (agent_backend.sandbox.layers), and what may not overlap them: the
         # calls and file operations in flight per workspace, and the forks in progress.
         self._layers: LayerStore | None = None
@@ -326,6 +328,8 @@ class LocalHost(Host):
                     backend="local",
                     host=self.name,
                 ) from exc
+        if self._init is None:
+            self._init = InitShell()  # closed by _close_walls
         token = secrets.token_hex(8)
         cgroups = CgroupTree(token)
         try:
@@ -403,14 +407,17 @@ class LocalHost(Host):
         cgroups = self._cgroups
         if cgroups is None:
             raise PoolClosed("the local backend is closed")
-        egress = self._egress
+        egress, init = self._egress, self._init
+        if init is None:
+            raise PoolClosed("the local backend is closed")
         with contextlib.ExitStack() as stack:
             # egress_allow: the names of its destinations in the sandbox's own /etc/hosts.
             hosts = stack.enter_context(egress.hosts_fd()) if egress is not None else None
+            init_fd = stack.enter_context(init.fd())
             # A spare is bound where it will be once it is a workspace (renamed, its sandbox kept).
             at = self._in_use_path(root)
             argv = sandbox_argv(
-                agent_argv(AGENT_PYTHON, idle=self.config.sandbox_agent_idle),
+                agent_argv(AGENT_PYTHON, idle=self.config.sandbox_agent_idle, shell=INIT_PATH),
                 uid=walls.uid,
                 workspace=root,
                 workspace_at=at,
@@ -418,6 +425,7 @@ class LocalHost(Host):
                 limits=self.config.limits,
                 read_only=self.config.sandbox_read_only,
                 hosts_fd=hosts,
+                init_fd=init_fd,
             )
             walls.process = SandboxProcess.start(
                 argv,
@@ -425,7 +433,7 @@ class LocalHost(Host):
                 cwd=root,
                 born_in=lambda: cgroups.born_in(walls.cgroup),
                 egress=egress,
-                pass_fds=() if hosts is None else (hosts,),
+                pass_fds=(init_fd,) if hosts is None else (init_fd, hosts),
                 loop=self._loop,
             )
 
@@ -599,6 +607,9 @@ class LocalHost(Host):
             self._closed.set()
 
     def _close_walls(self, complete: bool) -> None:
+        init, self._init = self._init, None
+        if init is not None:
+            init.close()
         egress, self._egress = self._egress, None
         if egress is not None:  # every sandbox's relays are closed: this ends its thread
             egress.close()

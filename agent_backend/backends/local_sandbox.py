@@ -36,6 +36,7 @@ import array
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import importlib.resources
 import json
 import logging
@@ -44,7 +45,7 @@ import signal
 import socket
 import subprocess
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from agent_backend.backends.local_process import PipedChild, child_pipes
@@ -53,6 +54,7 @@ from agent_backend.sandbox import EgressRelay, SandboxRelays
 
 __all__ = [
     "AGENT_VARIABLE",
+    "InitShell",
     "SandboxChild",
     "SandboxDied",
     "SandboxProcess",
@@ -84,17 +86,56 @@ _INIT = (
 _WAKE = b"\n"
 
 
-def agent_argv(python: str, *, idle: float | None = None) -> list[str]:
+class InitShell:
+    """The host's shell (``/bin/sh``), held in a sealed memory file, that every sandbox runs as
+    its init from an execute-only copy (:data:`~agent_backend.sandbox.bwrap.INIT_PATH`,
+    ``sandbox_argv(init_fd=...)``): an init that is not dumpable, which the commands cannot
+    ptrace or write into through ``/proc/1/mem``, though they share its uid."""
+
+    def __init__(self, path: str = "/bin/sh") -> None:
+        with open(path, "rb") as file:
+            data = file.read()
+        self._fd = os.memfd_create("agent-backend-init", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+            fcntl.fcntl(
+                self._fd,
+                fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE,
+            )
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @contextlib.contextmanager
+    def fd(self) -> Iterator[int]:
+        """A descriptor of its own (bubblewrap reads it from its start), closed on leaving."""
+        fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+def agent_argv(python: str, *, idle: float | None = None, shell: str = "/bin/sh") -> list[str]:
     """The argv of a sandbox's program: a shell as its PID 1 that runs the agent (``python``
     running the program in :data:`AGENT_VARIABLE`), and again whenever it is woken.
 
     ``idle``: seconds without a call after which the agent asks to leave (its sandbox then
-    holds no Python, only the shell); None: it stays.
+    holds no Python, only the shell); None: it stays. ``shell``: where the sandbox sees the
+    shell that is its init (:class:`InitShell`'s copy).
     """
     agent = [python, "-I", "-S", "-c", f"import os; exec(os.environ.pop({AGENT_VARIABLE!r}))"]
     if idle is not None:
         agent.append(repr(float(idle)))
-    return ["/bin/sh", "-c", _INIT, "sandbox-init", *agent]
+    return [shell, "-c", _INIT, "sandbox-init", *agent]
 
 
 def agent_source() -> str:

@@ -30,7 +30,10 @@ from collections.abc import Sequence
 
 from agent_backend.sandbox.config import SandboxLimits
 
-__all__ = ["SYSTEM_PATHS", "sandbox_argv"]
+__all__ = ["INIT_PATH", "SYSTEM_PATHS", "sandbox_argv"]
+
+#: Where a sandbox sees the executable of ``sandbox_argv(init_fd=...)``.
+INIT_PATH = "/.sandbox-init"
 
 #: Host directories every sandbox sees read-only (those that exist; symlinks are kept as links).
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -62,6 +65,7 @@ def sandbox_argv(
     limits: SandboxLimits,
     read_only: Sequence[str] = (),
     hosts_fd: int | None = None,
+    init_fd: int | None = None,
     bwrap: str = "bwrap",
     setpriv: str = "setpriv",
     shell: str = "/bin/sh",
@@ -74,8 +78,14 @@ def sandbox_argv(
     ``read_only``: more host paths to show read-only at their own paths (a
     virtual environment, a dataset). ``hosts_fd``: a descriptor the sandbox's ``/etc/hosts`` is
     read from (bubblewrap copies it; the process that runs the argv must inherit it).
+    ``init_fd``: a descriptor holding an executable (the host's shell) that the sandbox sees
+    at :data:`INIT_PATH`, executable but not readable (mode 0111, on a read-only mount): a
+    process started from it is not dumpable, so the commands, though they share its uid,
+    cannot ptrace it or reach its memory through ``/proc/<pid>/mem``.
     """
     hosts = ["--ro-bind-data", str(hosts_fd), "/etc/hosts"] if hosts_fd is not None else []
+    init = ["--perms", "0111", "--ro-bind-data", str(init_fd), INIT_PATH]
+    init = init if init_fd is not None else []
     return [
         shell,
         "-c",
@@ -107,6 +117,7 @@ def sandbox_argv(
         "sandbox",
         *_system_binds(SYSTEM_PATHS),
         *hosts,  # over the host's /etc/hosts, bound with /etc just before
+        *init,
         "--proc",
         "/proc",
         "--dev",

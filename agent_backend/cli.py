@@ -101,9 +101,9 @@ IsolationOption = Annotated[
     IsolationTier | None,
     typer.Option(
         "--isolation",
-        help="The walls around every command of the local pools, over what the pool file says: "
-        "namespaces (each session in its own namespaces, uid and limits; the default pool's "
-        "tier) or none (no walls: only for a model you trust). docs/sandboxes.md.",
+        help="The walls around every command of the local and SSH pools, over what the pool "
+        "file says: namespaces (each session, or each SSH call, in its own namespaces; the "
+        "default) or none (no walls: only for a model you trust). docs/sandboxes.md.",
         case_sensitive=False,
     ),
 ]

@@ -333,8 +333,8 @@ def load_pools(
     """The backends a pool-set file (or one pool's file, or a config object) describes;
     None: :data:`DEFAULT_POOL`.
 
-    ``isolation``: the tier every local pool of the set runs at, over what its
-    file says (``--isolation`` on the command line); None: as the file says.
+    ``isolation``: the tier every local and SSH pool of the set runs at, over what
+    its file says (``--isolation`` on the command line); None: as the file says.
     Start them with ``async with``; :class:`ConfigError` for a bad file.
     """
     if isinstance(source, (str, os.PathLike)):
@@ -351,11 +351,21 @@ def load_pools(
 
 
 def with_isolation(config: PoolConfig, isolation: Isolation) -> PoolConfig:
-    """``config`` at isolation tier ``isolation`` if it is a local pool's; else ``config``.
+    """``config`` at isolation tier ``isolation`` if it is a local or an SSH pool's (an SSH
+    pool's every host); else (a Ray pool) ``config``.
 
-    Checked as a file would be: ``default_cwd`` cannot be kept under walls
+    Checked as a file would be: a local pool's ``default_cwd`` cannot be kept under walls
     (:class:`ConfigError`).
     """
+    if getattr(config, "type", None) == "ssh":
+        # Imported already (config is one): asyncssh is loaded only for files that name SSH.
+        from agent_backend.backends.ssh import SSHPoolConfig
+
+        assert isinstance(config, SSHPoolConfig)
+        if config.isolation == isolation and all(h.isolation == isolation for h in config.hosts):
+            return config
+        hosts = tuple(host.model_copy(update={"isolation": isolation}) for host in config.hosts)
+        return config.model_copy(update={"isolation": isolation, "hosts": hosts})
     if not isinstance(config, LocalPoolConfig) or config.isolation == isolation:
         return config
     try:

@@ -31,6 +31,7 @@ from support.sshd import SSHServer
 
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.backends.ssh import SSHHostConfig, SSHPoolConfig
+from agent_backend.backends.ssh.walls import ssh_guarantees
 from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.dispatch import (
     DEFAULT_POOL_NAME,
@@ -42,6 +43,7 @@ from agent_backend.dispatch import (
 )
 from agent_backend.errors import BackendError, BackendUnavailable, ConfigError
 from agent_backend.pool_file import PoolSetConfig
+from agent_backend.sandbox import SandboxLimits
 from agent_backend.tools import Tool, ToolRegistry
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
@@ -377,12 +379,14 @@ async def test_an_episode_through_the_daemon_on_ssh_and_ray(
             # Readiness and metrics speak of every pool, by name.
             ready = (await http.get("/v1/health/ready")).json()
             assert ready["status"] == "ready", ready
-            # An SSH pool declares no walls yet (isolation is the local pool's, docs/sandboxes.md).
+            # An SSH pool declares its walls, as the local pool does (docs/sandboxes.md).
+            walls = ssh_guarantees("namespaces", SandboxLimits()).lines()
+            assert walls
             assert ready["pools"]["cmd"] == {
                 "backend": "ssh",
                 "up": 1,
                 "total": 1,
-                "guarantees": [],
+                "guarantees": walls,
             }
             assert ready["pools"]["gpu"]["backend"] == "ray"
             assert ready["pools"]["gpu"]["up"] == ready["pools"]["gpu"]["total"] >= 1

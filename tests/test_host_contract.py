@@ -94,7 +94,8 @@ async def target(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
         sshd: SSHServer = request.getfixturevalue("sshd")
 
         def make() -> Backend:
-            return backend_for(sshd, kill_grace=KILL_GRACE, env=HOST_ENV)
+            # The contract's mechanics (pids, pid files in /tmp) are those of an unwalled host.
+            return backend_for(sshd, kill_grace=KILL_GRACE, env=HOST_ENV, isolation="none")
 
         async with make() as backend:
             host = backend.hosts[0]

@@ -20,6 +20,14 @@ No ``--die-with-parent``: that signal follows the *thread* that started the
 sandbox, and the owner's death reaches the agent anyway, as end of file on its
 socket.
 
+:func:`remote_sandbox_argv` is the SSH pools' variant (:mod:`agent_backend.backends.ssh`): a
+sandbox per call, built on the remote host by its login user with bubblewrap alone. The same
+prelude shell lowers the limits and the OOM standing before ``exec bwrap``; bubblewrap makes
+every namespace (user included: no capabilities, ``no_new_privs``), binds the system directories
+read-only if the host has them (``--ro-bind-try``: this machine cannot look at the remote one),
+the workspace read-write at its own path, a private ``/tmp``; the command's PID namespace ends
+when it exits (bubblewrap's init is PID 1) or when bubblewrap is killed (``--die-with-parent``).
+
 This module only builds argument lists: it must never run anything.
 """
 
@@ -30,7 +38,7 @@ from collections.abc import Sequence
 
 from agent_backend.sandbox.config import SandboxLimits
 
-__all__ = ["INIT_PATH", "SYSTEM_PATHS", "sandbox_argv"]
+__all__ = ["INIT_PATH", "SYSTEM_PATHS", "remote_sandbox_argv", "sandbox_argv"]
 
 #: Where a sandbox sees the executable of ``sandbox_argv(init_fd=...)``.
 INIT_PATH = "/.sandbox-init"
@@ -136,5 +144,77 @@ def sandbox_argv(
         "--cap-drop",
         "ALL",
         "--",
+        *argv,
+    ]
+
+
+# $1: RLIMIT_NOFILE; $2: RLIMIT_FSIZE in 512-byte blocks; then bwrap and its arguments. `ulimit`
+# without -H or -S sets the hard limit and the soft one (dash, bash, busybox): nothing inside can
+# raise them. Raising one's own oom_score_adj needs no privilege; where /proc refuses it, the
+# command runs at the host's.
+_REMOTE_PRELUDE = (
+    "{ echo 1000 > /proc/self/oom_score_adj; } 2>/dev/null; "
+    'ulimit -n "$1" && ulimit -c 0 && ulimit -f "$2" && shift 2 && exec "$@"'
+)
+
+# Inside the sandbox: $1 the working directory, then the command. As a login shell runs a
+# command: a missing directory or program is exit status 127 (126: not executable).
+_REMOTE_START = 'cd -- "$1" || exit 127; shift; exec "$@"'
+
+#: Where a remote sandbox's commands start when the call has no workspace (its private tmpfs).
+REMOTE_SCRATCH = "/tmp"
+
+
+def remote_sandbox_argv(
+    argv: Sequence[str],
+    *,
+    workspace: str | None,
+    cwd: str | None = None,
+    limits: SandboxLimits,
+    bwrap: str = "bwrap",
+    shell: str = "/bin/sh",
+) -> list[str]:
+    """The argv that runs ``argv`` on a remote host inside a new sandbox around ``workspace``,
+    as the login user; each word is to be quoted for the remote shell (never spliced).
+
+    ``workspace``: the only writable host directory, bound at its own path (None: none, the
+    command starts in the private ``/tmp``); ``cwd``: where ``argv`` starts (None: the
+    workspace), entered by a shell inside, so that a missing one is exit status 127 as
+    without walls. Of ``limits``, what a sandbox without cgroups enforces: ``open_files`` and
+    ``file_size_mb`` (both hard limits); core files are off.
+    """
+    home = workspace or REMOTE_SCRATCH
+    return [
+        shell,
+        "-c",
+        _REMOTE_PRELUDE,
+        "sandbox",
+        str(limits.open_files),
+        str(limits.file_size_mb * 2048),
+        bwrap,
+        "--unshare-all",  # user, mount, PID, IPC, UTS, network (loopback only), cgroup
+        "--unshare-user",  # not "try": no sandbox rather than one without a user namespace
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        "sandbox",
+        *[arg for path in SYSTEM_PATHS for arg in ("--ro-bind-try", path, path)],
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",  # no --size (bubblewrap 0.7+): it is memory, unlimited on SSH hosts anyway
+        "/tmp",
+        *(["--bind", workspace, workspace] if workspace is not None else []),
+        "--chdir",
+        home,
+        "--cap-drop",
+        "ALL",
+        "--",
+        shell,
+        "-c",
+        _REMOTE_START,
+        "sandbox",
+        cwd or home,
         *argv,
     ]

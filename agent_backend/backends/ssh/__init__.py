@@ -8,6 +8,7 @@ The package, one job per module:
 * :mod:`.ramp`: the pacing of new handshakes (slots, spacing, backoff after failures);
 * :mod:`.channel`: asyncssh: the connector, and the protocol of one command channel;
 * :mod:`.remote`: command lines, the kill script, file operations as shell scripts;
+* :mod:`.walls`: the ``namespaces`` tier: its guarantees, what a host lacks for it;
 * :mod:`.host`: :class:`SSHHost`, calls, remote kills and orphans;
 * :mod:`.backend`: :class:`SSHBackend`, the hosts' lifecycle.
 
@@ -18,14 +19,17 @@ ends its remote processes in :mod:`.host` and :mod:`.remote`, how the backend
 stops in :mod:`.backend`. A re-created connection is always to the configured
 host, port and user (``~/.ssh/config`` is never read).
 
-Remote hosts need a POSIX shell and GNU coreutils/findutils/procps (any Linux).
+Remote hosts need a POSIX shell and GNU coreutils/findutils/procps (any Linux); under
+``isolation = "namespaces"`` also bubblewrap and user namespaces for the login user
+(docs/sandboxes.md, "SSH hosts").
 
 This package must never: close a connection that holds a lease; start a
 pool connection after stop began; resurrect a closed connection; connect anywhere
 but the configured host, port and user; skip host-key verification unless
 ``insecure_skip_host_key_check`` says so; let an asyncssh exception reach a
-caller (they are mapped to :mod:`agent_backend.errors`); or leave a remote
-process of a timed-out or cancelled call running.
+caller (they are mapped to :mod:`agent_backend.errors`); leave a remote
+process of a timed-out or cancelled call running; or run a model's command of a
+``namespaces`` pool outside its sandbox.
 """
 
 import warnings

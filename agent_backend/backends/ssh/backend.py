@@ -21,10 +21,17 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from agent_backend.backends.ssh.config import SSHHostConfig, SSHPoolConfig, SSHStatistics
+from agent_backend.backends.ssh.config import (
+    SSHHostConfig,
+    SSHPoolConfig,
+    SSHStatistics,
+    walls_differ,
+)
 from agent_backend.backends.ssh.host import SSHHost
+from agent_backend.backends.ssh.walls import ssh_guarantees
 from agent_backend.dispatch.backend import Backend
 from agent_backend.errors import BackendUnavailable, ConfigError, PoolClosed, PoolError
+from agent_backend.sandbox import Guarantees
 
 __all__ = ["SSHBackend"]
 
@@ -38,6 +45,11 @@ class SSHBackend(Backend):
         if not hosts:
             raise ConfigError(
                 "an SSH pool needs at least one host", key="hosts", expected="one or more hosts"
+            )
+        different = walls_differ(hosts)
+        if different is not None:
+            raise ConfigError(
+                different, key="isolation", expected="the same isolation and limits on every host"
             )
         self._hosts = tuple(SSHHost(config) for config in hosts)
         self._close_timeout = close_timeout
@@ -59,8 +71,17 @@ class SSHBackend(Backend):
 
     def statistics(self) -> SSHStatistics:
         return SSHStatistics(
-            hosts=tuple(h.statistics() for h in self._hosts), closed=self.is_closed()
+            hosts=tuple(h.statistics() for h in self._hosts),
+            closed=self.is_closed(),
+            guarantees=self._guarantees(),
         )
+
+    def _guarantees(self) -> Guarantees:
+        config = self._hosts[0].config  # every host has the same walls (checked at __init__)
+        return ssh_guarantees(config.isolation, config.limits)
+
+    def guarantees(self) -> list[str]:
+        return self._guarantees().lines()
 
     def __repr__(self) -> str:
         s = self.statistics()

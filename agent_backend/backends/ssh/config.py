@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import asyncssh.encryption
@@ -17,6 +17,7 @@ import pydantic
 
 from agent_backend.config import ConfigModel, ConfigPath
 from agent_backend.dispatch.spec import EnvName
+from agent_backend.sandbox import Guarantees, Isolation, SandboxLimits
 
 __all__ = [
     "SSHHostConfig",
@@ -24,7 +25,12 @@ __all__ = [
     "SSHHostStats",
     "SSHPoolConfig",
     "SSHStatistics",
+    "walls_differ",
 ]
+
+
+# What a sandbox of an SSH host cannot enforce (no per-session cgroups; /tmp is memory).
+_UNENFORCED_LIMITS = frozenset({"memory_mb", "tasks", "cpus", "tmp_mb"})
 
 
 class SSHHostSettings(ConfigModel):
@@ -97,6 +103,21 @@ class SSHHostSettings(ConfigModel):
     group is ended."""
     file_op_timeout: float = pydantic.Field(default=60.0, gt=0)
     """Seconds for one file operation (make/remove workspace, read, write, list)."""
+    isolation: Isolation = "namespaces"
+    """The walls around every command (docs/sandboxes.md, "SSH hosts"). ``namespaces`` (the
+    default): each
+    call runs on the host inside a bubblewrap sandbox of its own (user, mount, PID, network,
+    IPC, UTS namespaces; the session workspace the only writable host directory; no
+    capabilities; ``limits``); a host that cannot build it (no ``bwrap``, user namespaces off)
+    is refused with what it lacks, never used unconfined. ``none``: as the login user, with
+    nothing between a command and the host (an explicit choice, never a default).
+    ``--isolation`` on the command line sets it for every host. One tier per pool: every host
+    must say the same."""
+    limits: SandboxLimits = pydantic.Field(default_factory=SandboxLimits)
+    """Limits under ``isolation = "namespaces"`` (``[limits]``): ``open_files`` and
+    ``file_size_mb``, hard rlimits of every process. The others (``memory_mb``, ``tasks``,
+    ``cpus``, ``tmp_mb``) are the local pool's cgroup limits: an SSH host has no per-session
+    cgroups, so setting them here is refused."""
 
     @pydantic.field_validator("workspace_root", "shell")
     @classmethod
@@ -110,6 +131,17 @@ class SSHHostSettings(ConfigModel):
         ):
             raise ValueError("must be a normalized absolute remote path other than /")
         return value.rstrip("/")
+
+    @pydantic.field_validator("limits")
+    @classmethod
+    def _enforced_limits(cls, value: SandboxLimits) -> SandboxLimits:
+        unenforced = sorted(value.model_fields_set & _UNENFORCED_LIMITS)
+        if unenforced:
+            raise ValueError(
+                f"{', '.join(unenforced)}: not enforced on SSH hosts (no per-session cgroups); "
+                "only open_files and file_size_mb apply"
+            )
+        return value
 
     @pydantic.field_validator("preferred_ciphers")
     @classmethod
@@ -167,6 +199,26 @@ class SSHPoolConfig(SSHHostSettings):
             seen.add(key)
         return self
 
+    @pydantic.model_validator(mode="after")
+    def _one_tier(self) -> SSHPoolConfig:
+        different = walls_differ(self.hosts)
+        if different is not None:
+            raise ValueError(different)
+        return self
+
+
+def walls_differ(hosts: Sequence[SSHHostSettings]) -> str | None:
+    """Why ``hosts`` cannot be one pool's: their isolation or limits differ (a session may land
+    on any of them). None: they agree."""
+    for host in hosts[1:]:
+        if (host.isolation, host.limits) != (hosts[0].isolation, hosts[0].limits):
+            names = [getattr(h, "host", "?") for h in (hosts[0], host)]
+            return (
+                f"hosts {names[0]} and {names[1]} differ in isolation or limits: a pool has one "
+                "tier, every host of it the same (a session may run on any of them)"
+            )
+    return None
+
 
 # -- statistics -------------------------------------------------------------------------------
 
@@ -204,6 +256,9 @@ class SSHHostStats:
     """Remote process groups ended on timeout or cancellation."""
     consecutive_failures: int
     workspaces: int
+    walls_refused: bool = False
+    """Under ``isolation = "namespaces"``: the last check of the host's walls failed (placement
+    prefers other hosts; each call to it checks again and raises what is missing)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -212,6 +267,8 @@ class SSHStatistics:
 
     hosts: tuple[SSHHostStats, ...]
     closed: bool
+    guarantees: Guarantees | None = None
+    """The walls around every command (``isolation`` and ``limits`` in force)."""
 
     @property
     def leases_active(self) -> int:

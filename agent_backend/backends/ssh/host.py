@@ -8,9 +8,16 @@ token; :class:`~.remote.RemoteKills`), then the channel is closed. Commands of
 a lost connection keep running under sshd (no pty, no SIGHUP); they are killed
 by token over the next connection ("orphans").
 
+Under ``isolation = "namespaces"`` a model's command runs in a sandbox made for the call
+(:mod:`.walls`). Before the host's first command or workspace, one trial sandbox proves the
+host can build them (single-flight); a host that cannot is refused with
+:class:`~agent_backend.errors.SandboxUnavailable` naming what it lacks, placement prefers other
+hosts, and each later call to it tries again (never unconfined). A command's working directory
+must be inside one of this host's workspaces, the only writable host directory it sees.
+
 This module must never leave a remote process of a timed-out or cancelled call
 running, let an asyncssh exception reach a caller, or remove a path it did not
-make as a workspace.
+make as a workspace, or run a model's command of a walled pool outside a sandbox.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import functools
 import getpass
 import itertools
 import logging
+import posixpath
 import secrets
 import shlex
 import time
@@ -32,7 +40,7 @@ import anyio.to_thread
 import asyncssh
 
 from agent_backend.backends._errors import describe
-from agent_backend.backends.ssh import remote
+from agent_backend.backends.ssh import remote, walls
 from agent_backend.backends.ssh.channel import (
     SSHConnection,
     SSHConnector,
@@ -44,8 +52,21 @@ from agent_backend.backends.ssh.channel import (
 from agent_backend.backends.ssh.config import SSHHostConfig, SSHHostStats
 from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.backoff import backoff_delay
-from agent_backend.dispatch.backend import Command, CommandResult, DirEntry, FileData, Host
-from agent_backend.errors import BackendUnavailable, PoolClosed, ToolTimeout, WorkerLost
+from agent_backend.dispatch.backend import (
+    Command,
+    CommandResult,
+    DirEntry,
+    FileData,
+    Host,
+    Output,
+)
+from agent_backend.errors import (
+    BackendUnavailable,
+    PoolClosed,
+    SandboxUnavailable,
+    ToolTimeout,
+    WorkerLost,
+)
 
 __all__ = ["SSHHost"]
 
@@ -82,6 +103,12 @@ class SSHHost(Host):
         self._instance = secrets.token_hex(4)
         self._call_ids = itertools.count(1)
         self._calls_started = 0
+        # isolation = "namespaces": proven once by a trial sandbox; refused while it fails.
+        self._walled = config.isolation == "namespaces"
+        self._walls_ready = False
+        self._walls_refused = False
+        self._walls_check = anyio.Lock()
+        self._walls_waiting = 0  # calls waiting for the check
         if config.insecure_skip_host_key_check:
             logger.warning(
                 "%s: host key verification is OFF (insecure_skip_host_key_check = true); "
@@ -99,12 +126,14 @@ class SSHHost(Host):
 
     def is_suspect(self) -> bool:
         """Up, but its connections died or its last handshake failed and nothing is open:
-        the backend places calls elsewhere while it finds out (reconnects, or marks it down)."""
-        return self.pool.is_suspect()
+        the backend places calls elsewhere while it finds out (reconnects, or marks it down).
+        Also while it cannot build the walls its pool asks for (each call to it checks again)."""
+        return self._walls_refused or self.pool.is_suspect()
 
     def calls_in_flight(self) -> int:
-        """Calls in flight: holding a channel slot, or queued for one."""
-        return self.pool.table.active_leases() + self.pool.queued()
+        """Calls in flight: holding a channel slot, queued for one, or waiting for the check
+        of the walls before their first."""
+        return self.pool.table.active_leases() + self.pool.queued() + self._walls_waiting
 
     def statistics(self) -> SSHHostStats:
         pool = self.pool
@@ -128,6 +157,7 @@ class SSHHost(Host):
             remote_kills=self._kills.count,
             consecutive_failures=pool.consecutive_failures,
             workspaces=len(self._workspaces),
+            walls_refused=self._walls_refused,
         )
 
     def __repr__(self) -> str:
@@ -212,14 +242,32 @@ class SSHHost(Host):
 
     async def run(self, command: Command) -> CommandResult:
         config = self.config
-        return await self._execute(
-            functools.partial(
+        line_for: Callable[[str], str]
+        if not self._walled:
+            line_for = functools.partial(
                 remote.command_line, command, base_env=config.env, shell=config.shell
-            ),
+            )
+        else:
+            self._calls_started += 1  # a call from now, though it may wait for the walls check
+            await self._check_walls()
+            workspace = self._workspace_of(command.cwd)
+            if command.cwd is not None and workspace is None:
+                return self._outside_workspace()
+            line_for = functools.partial(
+                remote.sandboxed_command_line,
+                command,
+                base_env=config.env,
+                shell=config.shell,
+                workspace=workspace,
+                limits=config.limits,
+            )
+        return await self._execute(
+            line_for,
             stdin=command.stdin,
             timeout=command.timeout,
             stdout_limit=command.output_limit,
             stderr_limit=command.output_limit,
+            counted=not self._walled,
         )
 
     async def _execute(
@@ -230,12 +278,14 @@ class SSHHost(Host):
         timeout: float,  # noqa: ASYNC109 - the command's limit: its remote processes are killed at it
         stdout_limit: int,
         stderr_limit: int,
+        counted: bool = True,
     ) -> CommandResult:
         self.pool.check_usable()
         started = time.monotonic()
         token = f"{self._instance}.{next(self._call_ids)}"
         line = line_for(token)
-        self._calls_started += 1
+        if counted:  # else counted by the caller, or not a call (a trial of the walls)
+            self._calls_started += 1
         self._in_flight += 1
         try:
             return await self._attempt(
@@ -390,6 +440,88 @@ class SSHHost(Host):
             host=self.name,
         )
 
+    # -- walls (isolation = "namespaces") ----------------------------------------------------
+
+    async def _check_walls(self) -> None:
+        """Return once a trial sandbox ran on this host; :class:`SandboxUnavailable` (naming
+        what the host lacks) while it cannot. Single-flight: callers that find it unchecked
+        wait for the one check under way."""
+        if not self._walls_ready:
+            self._walls_waiting += 1  # in flight, for placement: they run next
+            try:
+                async with self._walls_check:
+                    await self._trial_sandbox()
+            finally:
+                self._walls_waiting -= 1
+
+    async def _trial_sandbox(self) -> None:
+        """Run ``true`` in a sandbox, unless a caller that held the lock before did."""
+        if self._walls_ready:
+            return
+        timeout = self.config.file_op_timeout
+        trial = Command(argv=("true",), timeout=timeout)
+        result = await self._execute(
+            functools.partial(
+                remote.sandboxed_command_line,
+                trial,
+                base_env=self.config.env,
+                shell=self.config.shell,
+                workspace=None,
+                limits=self.config.limits,
+            ),
+            stdin=None,
+            timeout=timeout,
+            stdout_limit=4096,
+            stderr_limit=4096,
+            counted=False,
+        )
+        if result.exit_status == 0:
+            self._walls_ready, self._walls_refused = True, False
+            return
+        if result.timed_out:
+            raise ToolTimeout(
+                f"checking the walls on {self.name} did not finish within {timeout:g} s",
+                timeout=timeout,
+                backend="ssh",
+                host=self.name,
+            )
+        diagnosis = await self._script(
+            remote.Script(walls.DIAGNOSE, ("bwrap",), "checking the walls"), counted=False
+        )
+        missing = walls.missing_on_host(
+            diagnosis.stdout.data.decode("utf-8", "replace"), result.stderr.text()
+        )
+        self._walls_refused = True
+        raise SandboxUnavailable(
+            f"isolation = 'namespaces' cannot be enforced on {self.name}; missing: "
+            + "; ".join(missing),
+            missing=missing,
+            backend="ssh",
+            host=self.name,
+        )
+
+    def _workspace_of(self, cwd: str | None) -> str | None:
+        """The workspace of this host that ``cwd`` is in (None: in none, or no ``cwd``). Only
+        picks what to bind: the kernel keeps the command inside it."""
+        path = cwd
+        for _ in range(256):
+            if path is None or path in self._workspaces:
+                return path
+            parent = posixpath.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+        return None
+
+    def _outside_workspace(self) -> CommandResult:
+        message = (
+            b"cannot run: under isolation = 'namespaces' the working directory must be inside "
+            b"a session workspace"
+        )
+        return CommandResult(
+            exit_status=126, stderr=Output(message, len(message), False), host=self.name
+        )
+
     def _busy_result(self, started: float) -> CommandResult:
         return CommandResult.not_started(
             self.name, time.monotonic() - started, f"no SSH channel to {self.name} became free"
@@ -397,7 +529,7 @@ class SSHHost(Host):
 
     # -- files --------------------------------------------------------------------------------
 
-    async def _script(self, script: remote.Script) -> CommandResult:
+    async def _script(self, script: remote.Script, *, counted: bool = True) -> CommandResult:
         timeout = self.config.file_op_timeout
         line_for = functools.partial(
             remote.script_line,
@@ -412,6 +544,7 @@ class SSHHost(Host):
             timeout=timeout,
             stdout_limit=script.limit,
             stderr_limit=4096,
+            counted=counted,
         )
         if result.timed_out:
             raise ToolTimeout(
@@ -423,6 +556,8 @@ class SSHHost(Host):
         return result
 
     async def make_workspace(self) -> str:
+        if self._walled:  # a session on a host that cannot wall its commands: refused now
+            await self._check_walls()
         path = await self._files.make_workspace(self.config.workspace_root)
         if not self.pool.is_open():  # closed while it was being made: do not leak it
             raise PoolClosed(f"{self.name} is closed")

@@ -15,6 +15,10 @@ resolves every path beneath the workspace with ``openat2(2)``, refuses files
 with more than one hard link, and the result is read back from stdout (an
 ``OSError`` as its errno's name and message on stderr, exit status 3).
 
+Under ``isolation = "namespaces"`` a model's command (not the file operations, the workspace
+scripts or the kill script: our own code) runs inside a bubblewrap sandbox made for the call
+(:func:`sandboxed_command_line`); it keeps the token, and its PID namespace ends with it.
+
 A timed-out, cancelled or stopped call's processes are ended by
 :class:`RemoteKills` (TERM, grace, KILL); commands of a lost connection keep
 running under sshd (no pty, no SIGHUP) and are killed by token over the next
@@ -55,6 +59,8 @@ from agent_backend.dispatch.backend import (
     file_error,
 )
 from agent_backend.errors import BackendUnavailable, clip
+from agent_backend.sandbox import SandboxLimits
+from agent_backend.sandbox.bwrap import remote_sandbox_argv
 
 __all__ = [
     "CALL_VAR",
@@ -65,6 +71,7 @@ __all__ = [
     "Script",
     "command_line",
     "kill_script",
+    "sandboxed_command_line",
     "script_line",
 ]
 
@@ -175,6 +182,30 @@ def command_line(command: Command, token: str, *, base_env: Mapping[str, str], s
     else:
         assert command.shell is not None
         parts.append(f"exec {shlex.quote(shell)} -c {shlex.quote(command.shell)}")
+    return "; ".join(parts)
+
+
+def sandboxed_command_line(
+    command: Command,
+    token: str,
+    *,
+    base_env: Mapping[str, str],
+    shell: str,
+    workspace: str | None,
+    limits: SandboxLimits,
+) -> str:
+    """The line for ``command`` under ``isolation = "namespaces"``: the prologue, then the
+    fixed prelude shell and bubblewrap (:func:`~agent_backend.sandbox.bwrap.remote_sandbox_argv`),
+    every word quoted. The token stays in the environment (bubblewrap keeps it), so the kill
+    script finds the sandbox's processes as it finds any call's."""
+    parts = _prologue(base_env, token, command.env, None, stdin=command.stdin is not None)
+    if command.argv is not None:
+        inner = list(command.argv)
+    else:
+        assert command.shell is not None
+        inner = [shell, "-c", command.shell]
+    argv = remote_sandbox_argv(inner, workspace=workspace, cwd=command.cwd, limits=limits)
+    parts.append("exec " + " ".join(map(shlex.quote, argv)))
     return "; ".join(parts)
 
 

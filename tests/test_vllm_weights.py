@@ -264,9 +264,7 @@ async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
         killed_at: list[int] = []
         # Once the second server holds a request: certain, as the first pick of all goes to it
         # (ties go round the list from the second); least-loaded picks then favour the warm one.
-        busy = lease_taken(
-            servers, monkeypatch, lambda lease: lease.server is second
-        )
+        busy = lease_taken(servers, monkeypatch, lambda lease: lease.server is second)
 
         async def kill_mid_run() -> None:
             await busy.wait()
@@ -287,8 +285,7 @@ async def test_two_servers_one_killed_mid_run_lose_and_repeat_no_prompt(
     assert killed_at, (  # what each server did, should the run end before the kill
         "the run ended before the second server was killed: "
         + "; ".join(
-            f"{s.url} requests={s.requests} up={s.up} error={s.last_error}"
-            for s in servers.servers
+            f"{s.url} requests={s.requests} up={s.up} error={s.last_error}" for s in servers.servers
         )
     )
     assert killed_at[0] < 32  # killed mid-run: episodes were left to sample

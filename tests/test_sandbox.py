@@ -289,7 +289,15 @@ async def test_a_timed_out_call_takes_everything_with_it(walled: LocalHost) -> N
     assert _processes_with(f"sleep {marker}") == []
 
 
-async def test_closing_a_session_removes_its_uid_cgroups_and_workspace(walled: LocalHost) -> None:
+async def test_closing_a_session_removes_its_uid_cgroups_and_workspace() -> None:
+    require_walls()
+    # No spares kept, so none made new for a next session either: removed.
+    config = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=0)
+    async with LocalBackend(config) as backend:
+        await _close_and_see_it_removed(backend.host)
+
+
+async def _close_and_see_it_removed(walled: LocalHost) -> None:
     workspace = await walled.make_workspace()
     uid = os.stat(workspace).st_uid
     registry = walled._registry
@@ -345,6 +353,58 @@ async def test_the_cap_on_sandboxes_counts_those_not_yet_ready(
 
 async def _append(into: list[str], made: Any) -> None:
     into.append(await made)
+
+
+_LEAVE_EVERYTHING = """
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+os.makedirs("d/e"); open("d/e/f", "w").write("x"); open(".hidden", "w").write("y")
+os.chmod("d", 0o500)
+open("/tmp/t", "w").write("t"); os.mkdir("/tmp/shut"); os.chmod("/tmp/shut", 0)
+open("/dev/shm/s", "w").write("s")
+assert libc.mq_open(b"/q", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0
+assert libc.shmget(0x5A1, 4096, 0o1600) >= 0
+assert libc.msgget(0x5A2, 0o1600) >= 0
+assert libc.semget(0x5A3, 1, 0o1600) >= 0
+assert libc.syscall(248, b"user", b"leftkey", b"v", 1, -4) > 0  # add_key(2) to @u (x86-64)
+subprocess.Popen(["setsid", "sleep", "600.5"], start_new_session=True)
+"""
+_WHAT_IS_LEFT = (
+    "ls -A . /tmp /dev/shm /dev/mqueue; cat /proc/sysvipc/shm /proc/sysvipc/msg "
+    "/proc/sysvipc/sem | grep -v key; grep -o leftkey /proc/keys; ps -e -o comm= | grep sleep"
+)
+
+
+async def test_a_sandbox_made_new_for_the_next_session_keeps_nothing_of_the_last() -> None:
+    """A closed session's sandbox is made new in place for the next session (cheaper than a
+    new one): nothing the first left, anywhere it could write, reaches the second."""
+    require_walls()
+    config = LocalPoolConfig(isolation="namespaces", limits=LIMITS, spare_workspaces=1)
+    async with LocalBackend(config) as backend:
+        host = backend.host
+        first = await host.make_workspace()
+        uid = os.stat(first).st_uid
+        left = await sh(host, f"python3 -c '{_LEAVE_EVERYTHING}' && {_WHAT_IS_LEFT}", first)
+        assert left.exit_status == 0, left
+        words = left.stdout.text().split()
+        for trace in (".hidden", "d", "t", "shut", "s", "q", "1441", "1442", "1443", "leftkey"):
+            assert trace in words, (trace, words)  # left there, and seen
+        # Its own root and /dev (tmpfs, its uid's) it cannot change: no /bin or /dev/null of
+        # its choosing for the next session.
+        fixed = await sh(host, "rm /bin; touch /x; touch /dev/x; rm /dev/null; ls / /dev", first)
+        assert [word for word in ("x", "null", "bin") if word in fixed.stdout.text().split()] == [
+            "null",
+            "bin",
+        ], fixed
+        await host.remove_workspace(first)
+        second = await host.make_workspace()
+        assert (second, os.stat(second).st_uid) == (first, uid)  # the same sandbox, made new
+        seen = await sh(host, _WHAT_IS_LEFT, second)
+        listing = set(seen.stdout.text().split()) - {".:", "/dev/mqueue:", "/dev/shm:", "/tmp:"}
+        allowed = set()
+        if second.startswith("/tmp/"):  # only the way to the workspace, where the host keeps it
+            allowed.add(Path(second).relative_to("/tmp").parts[0])
+        assert listing <= allowed, seen
 
 
 # -- limits ------------------------------------------------------------------------------------------

@@ -718,13 +718,45 @@ class LocalHost(Host):
             return
         self._workspaces.discard(path)
         self._starting.pop(path, None)
-        self._detach(path)
         keeper = self._keeper
+        kept = keeper is not None and path not in self._unkept and await self._made_new(path)
+        if kept and keeper is not None and keeper.recycle(path):
+            return
+        self._detach(path)
         if path in self._unkept or keeper is None:  # not the keeper's, or closing: here
             self._unkept.discard(path)
             await anyio.to_thread.run_sync(self._remove_tree, path)
             return
         await keeper.remove(path)
+
+    async def _made_new(self, path: str) -> bool:
+        """Under walls: make the closed workspace ``path`` and its sandbox new in place, for the
+        next session (its sandbox costs more to make than to reset): the agent kills what the
+        session left and empties the workspace and the sandbox's own scratch places, and the
+        workspace is then seen empty from here too. False where that cannot be (the caller
+        removes it): a file operation still in flight, a fork's overlay, a quota's tmpfs, a
+        sandbox not running, or any step failed."""
+        walls, layers = self._walls.get(_suffix(path)), self._layers
+        if (
+            not self._sandboxed
+            or self._closing
+            or self.config.workspace_quota_mb is not None
+            or self._busy.get(path)
+            or walls is None
+            or walls.process is None
+            or walls.process.is_dead()
+            or layers is None
+            or layers.is_overlay(path)
+        ):
+            return False
+        made_new = False
+        with anyio.CancelScope(shield=True):
+            if await walls.process.reset(path):
+                try:
+                    made_new = not await anyio.to_thread.run_sync(os.listdir, path)
+                except OSError:
+                    made_new = False
+        return made_new
 
     # Beneath the workspace's descriptor, by the kernel (agent_backend.backends.local_files).
 

@@ -207,6 +207,7 @@ class SandboxProcess:
         """The agent was let go: the next message is preceded by a wake-up."""
         self._leaving = 0
         """Agents let go whose exit has not been reported yet."""
+        self._resets: dict[int, asyncio.Future[bool]] = {}
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "asleep" if self._asleep else "alive"
@@ -385,6 +386,26 @@ class SandboxProcess:
             child._exit_known(pending.code)
         return child
 
+    async def reset(self, workspace: str) -> bool:
+        """Make the sandbox new for another session: its agent kills every process of the
+        session and empties ``workspace`` (as the sandbox sees it), ``/tmp``, ``/dev/shm`` and
+        the message queues, and removes its System V IPC objects. False when any of it failed
+        (the caller then ends the sandbox); only between calls."""
+        if self.is_dead() or self._calls:
+            return False
+        loop = self._attach()
+        self._next += 1
+        call = self._next
+        done: asyncio.Future[bool] = loop.create_future()
+        self._resets[call] = done
+        try:
+            self.send({"op": "reset", "id": call, "workspace": workspace})
+            return await done
+        except SandboxDied:
+            return False
+        finally:
+            self._resets.pop(call, None)
+
     def send(self, message: dict[str, Any], *, fds: Sequence[int] = ()) -> None:
         data = json.dumps(message).encode()
         ancillary = (
@@ -423,7 +444,13 @@ class SandboxProcess:
                 os.killpg(self.pid, signal.SIGKILL)
             return
         if pending is None:
-            if message.get("idle") is not None:
+            reset = self._resets.get(message.get("id"))
+            if reset is not None:
+                if not reset.done():
+                    reset.set_result(message.get("reset") is True)
+                    if message.get("reset") is not True:
+                        logger.info("a sandbox could not be reset: %s", message.get("why"))
+            elif message.get("idle") is not None:
                 self._let_go()
             elif "exited" in message:
                 self._agent_exited(message["exited"])
@@ -444,7 +471,7 @@ class SandboxProcess:
 
     def _let_go(self) -> None:
         """An idle agent asks to leave: let it, unless a call came meanwhile (it gets that)."""
-        if self._calls or self._asleep or self._dead:
+        if self._calls or self._resets or self._asleep or self._dead:
             return
         self.send({"op": "leave"})
         self._asleep, self._leaving = True, self._leaving + 1
@@ -468,6 +495,9 @@ class SandboxProcess:
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._control.fileno())
+        for reset in self._resets.values():
+            if not reset.done():
+                reset.set_result(False)
         calls, self._calls = self._calls, {}
         for pending in calls.values():
             pending.exited = True

@@ -88,6 +88,8 @@ class WorkspaceKeeper:
         self._loop = loop
         self._lock = threading.Condition()
         self._spares: collections.deque[str] = collections.deque()
+        # Workspaces given back already made new (a sandbox reset): taken before the spares.
+        self._recycled: collections.deque[str] = collections.deque()
         self._waiting: collections.deque[asyncio.Future[str]] = collections.deque()
         self._removals: collections.deque[tuple[str, asyncio.Future[None]]] = collections.deque()
         # Trees nobody waits for: trash, and workspaces whose caller gave up before they came.
@@ -113,9 +115,9 @@ class WorkspaceKeeper:
             return len(self._spares)
 
     def spare_paths(self) -> frozenset[str]:
-        """The spares' paths (empty directories with a spare's name)."""
+        """The spares' paths (empty directories with a spare's name) and the recycled ones'."""
         with self._lock:
-            return frozenset(self._spares)
+            return frozenset((*self._spares, *self._recycled))
 
     @property
     def waiting(self) -> int:
@@ -137,6 +139,8 @@ class WorkspaceKeeper:
                 raise PoolClosed("the local backend is closed")
             self._in_use += 1
             self._target = min(self._max_spares, max(self._target, self._in_use))
+            if self._recycled:  # in use under its own name: nothing to rename, nothing to make
+                return self._recycled.popleft()
             spare = self._spares.popleft() if self._spares else None
             self._lock.notify()  # to make up for it, or to make this one
             if spare is None:
@@ -157,6 +161,16 @@ class WorkspaceKeeper:
             with self._lock:
                 self._in_use -= 1
             raise
+
+    def recycle(self, path: str) -> bool:
+        """Take back the workspace ``path``, made new by its caller, for the next :meth:`take`
+        under the same name; False (nothing done) when enough are kept already: remove it."""
+        with self._lock:
+            if self._closing or len(self._recycled) >= self._max_spares:
+                return False
+            self._in_use -= 1
+            self._recycled.append(path)  # counted with the spares: fewer are made meanwhile
+            return True
 
     async def remove(self, path: str) -> None:
         """Remove the workspace ``path`` (taken from here): gone under its name on return.
@@ -223,7 +237,8 @@ class WorkspaceKeeper:
                     if self._removals:
                         job = ("remove", self._removals.popleft())
                         break
-                    if not self._closing and len(self._spares) + self._making < self._target:
+                    kept = len(self._spares) + len(self._recycled) + self._making
+                    if not self._closing and kept < self._target:
                         self._making += 1
                         job = ("spare", None)
                         break
@@ -299,11 +314,13 @@ class WorkspaceKeeper:
         with self._lock:
             left = [
                 *self._spares,
+                *self._recycled,
                 *(path for path, _ in self._removals),
                 *self._trash,
                 *self._failed,
             ]
             self._spares.clear()
+            self._recycled.clear()
             self._removals.clear()
             self._trash.clear()
             self._failed.clear()

@@ -223,6 +223,142 @@ class Agent:
                 _send(self.control, {"id": call, "exit": os.waitstatus_to_exitcode(status)})
 
 
+# -- reset: the sandbox made new for another session of the same pool ------------------------------
+
+#: What a session may leave in its sandbox besides its workspace: emptied by a reset.
+_SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
+_MAX_DEPTH = 256
+
+
+def reset(workspace: str) -> list[str]:
+    """Leave nothing of the session that used this sandbox: every process but the init and
+    this agent killed, ``workspace``, the private ``/tmp``, ``/dev/shm`` and the message queues
+    emptied, its System V IPC objects removed. What could not be done, as messages (then the
+    backend destroys the sandbox instead)."""
+    kill_everything_else()
+    errors: list[str] = []
+    for path in (workspace, *_SCRATCH):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            errors.append(f"{path}: {exc.strerror}")
+            continue
+        try:
+            _empty(fd, path, errors, 0)
+        finally:
+            os.close(fd)
+    _remove_ipc(errors)
+    _clear_keys(errors)
+    return errors
+
+
+def _empty(directory: int, path: str, errors: list[str], depth: int) -> bool:
+    """Remove everything in the open ``directory`` (never following a symbolic link) but the
+    mount points in it (the workspace, when it lives under ``/tmp``), and the directories on
+    the way to them; whether it kept such a way."""
+    if depth > _MAX_DEPTH:
+        errors.append(f"{path}: more than {_MAX_DEPTH} levels deep")
+        return False
+    try:
+        os.fchmod(directory, 0o700)  # a directory the session made read-only
+        names = os.listdir(directory)
+        device = os.fstat(directory).st_dev
+    except OSError as exc:
+        errors.append(f"{path}: {exc.strerror}")
+        return False
+    kept = False
+    for name in names:
+        try:
+            os.unlink(name, dir_fd=directory)
+            continue
+        except IsADirectoryError:
+            pass
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            errors.append(f"{path}/{name}: {exc.strerror}")
+            continue
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            try:
+                sub = os.open(name, flags, dir_fd=directory)
+            except PermissionError:  # a directory the session made unreadable (nothing else
+                os.chmod(name, 0o700, dir_fd=directory)  # runs here now to swap it for a link)
+                sub = os.open(name, flags, dir_fd=directory)
+        except OSError as exc:
+            errors.append(f"{path}/{name}: {exc.strerror}")
+            continue
+        try:
+            mount_point = os.fstat(sub).st_dev != device
+            way = mount_point or _empty(sub, f"{path}/{name}", errors, depth + 1)
+        finally:
+            os.close(sub)
+        if way:
+            kept = True
+            continue
+        try:
+            os.rmdir(name, dir_fd=directory)
+        except OSError as exc:
+            errors.append(f"{path}/{name}: {exc.strerror}")
+    return kept
+
+
+def _remove_ipc(errors: list[str]) -> None:
+    """``IPC_RMID`` every System V object of this IPC namespace (``/proc/sysvipc``)."""
+    # The third argument is IPC_RMID for semctl (after semnum 0), a null pointer for the others.
+    for kind, remove, last in (
+        ("shm", "shmctl", None),
+        ("msg", "msgctl", None),
+        ("sem", "semctl", 0),
+    ):
+        try:
+            with open(f"/proc/sysvipc/{kind}", "rb") as file:
+                rows = file.read().splitlines()[1:]
+        except OSError as exc:
+            errors.append(f"/proc/sysvipc/{kind}: {exc.strerror}")
+            continue
+        call = _Function((remove, _Libc()))  # type: ignore[arg-type]  # what CDLL gives it
+        for row in rows:
+            ipc_id = int(row.split()[1])
+            if call(ipc_id, 0, last) != 0:  # IPC_RMID is 0
+                errors.append(f"{kind} {ipc_id}: errno {_ctypes.get_errno()}")
+
+
+#: keyctl(2)'s number, per machine (a machine not listed: no reset, the sandbox is made anew).
+_KEYCTL = {"x86_64": 250, "aarch64": 219}
+_KEYCTL_CLEAR, _KEYCTL_GET_PERSISTENT = 7, 22
+_USER_KEYRING, _USER_SESSION_KEYRING = -4, -5
+
+
+def _clear_keys(errors: list[str]) -> None:
+    """Empty the uid's keyrings (they belong to the user namespace, which the next session
+    shares): the user and user-session keyrings, and the persistent one if the session made it."""
+    number = _KEYCTL.get(os.uname().machine)
+    if number is None:
+        errors.append(f"keyrings: no keyctl number known for {os.uname().machine}")
+        return
+    syscall = _Function(("syscall", _Libc()))  # type: ignore[arg-type]  # what CDLL gives it
+    persistent = syscall(number, _KEYCTL_GET_PERSISTENT, -1, _USER_KEYRING)
+    rings = ([persistent] if persistent > 0 else []) + [_USER_KEYRING, _USER_SESSION_KEYRING]
+    for ring in rings:  # a failure is caught below: a key still shown
+        syscall(number, _KEYCTL_CLEAR, ring)
+    # What counts: no key of this uid is left (the kernel collects an unlinked key a moment
+    # later; until then /proc/keys still shows it). Bounded: past it, the sandbox is made anew.
+    for _ in range(400):
+        try:
+            with open("/proc/keys", "rb") as file:
+                kinds = {line.split()[7] for line in file.read().splitlines() if line.strip()}
+        except (OSError, IndexError):
+            errors.append("keyrings: /proc/keys unreadable")
+            return
+        if kinds <= {b"keyring"}:
+            return
+        time.sleep(0.005)
+    errors.append("keyrings: a key is left (not cleared, or not collected within 2 s)")
+
+
 def kill_everything_else() -> None:
     """SIGKILL every process of this PID namespace but its init and this agent, and return once
     they are dead (bounded): a process forking as it is killed is caught by a later round."""
@@ -315,6 +451,9 @@ def main() -> None:
                     _close(extra)
                 if message.get("op") == "signal":
                     agent.signal(message)
+                elif message.get("op") == "reset" and not agent.leaders:
+                    errors = reset(str(message["workspace"]))
+                    _send(control, {"id": message["id"], "reset": not errors, "why": errors[:3]})
         agent.reap()
 
 

@@ -130,6 +130,10 @@ def sandbox_argv(
         "/proc",
         "--dev",
         "/dev",
+        "--mqueue",  # where a reset can list (and remove) the session's message queues
+        "/dev/mqueue",
+        "--tmpfs",  # its own: /dev is made read-only below
+        "/dev/shm",
         "--size",
         str(limits.tmp_mb << 20),
         "--tmpfs",
@@ -139,6 +143,12 @@ def sandbox_argv(
         "--bind",
         workspace,
         workspace_at or workspace,
+        # Last: the sandbox's own root and /dev (tmpfs, its uid's) read-only, so that no
+        # session can change what the next one finds there (its /bin link, /dev/null).
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
         "--chdir",
         cwd,
         "--cap-drop",

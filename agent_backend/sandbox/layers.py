@@ -629,6 +629,11 @@ class LayerStore:
         with self._lock:
             self._tmpfs.add(path)
 
+    def is_overlay(self, path: str) -> bool:
+        """Whether workspace ``path`` is an overlay (a fork, or a workspace that was forked)."""
+        with self._lock:
+            return path in self._overlays
+
     def needs_freeze(self, path: str) -> bool:
         """Whether workspace ``path`` holds anything of its own that its stack does not: what
         it holds (not an overlay yet), or an overlay's changes since it was last frozen."""

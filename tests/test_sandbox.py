@@ -359,6 +359,7 @@ _LEAVE_EVERYTHING = """
 import ctypes, os, subprocess
 libc = ctypes.CDLL(None, use_errno=True)
 os.makedirs("d/e"); open("d/e/f", "w").write("x"); open(".hidden", "w").write("y")
+os.setxattr(".", "user.left", b"x")
 os.chmod("d", 0o500)
 open("/tmp/t", "w").write("t"); os.mkdir("/tmp/shut"); os.chmod("/tmp/shut", 0)
 open("/dev/shm/s", "w").write("s")
@@ -370,7 +371,8 @@ assert libc.syscall(248, b"user", b"leftkey", b"v", 1, -4) > 0  # add_key(2) to 
 subprocess.Popen(["setsid", "sleep", "600.5"], start_new_session=True)
 """
 _WHAT_IS_LEFT = (
-    "ls -A . /tmp /dev/shm /dev/mqueue; cat /proc/sysvipc/shm /proc/sysvipc/msg "
+    "ls -A . /tmp /dev/shm /dev/mqueue; python3 -c 'import os; print(*os.listxattr(\".\"))'; "
+    "cat /proc/sysvipc/shm /proc/sysvipc/msg "
     "/proc/sysvipc/sem | grep -v key; grep -o leftkey /proc/keys; ps -e -o comm= | grep sleep"
 )
 
@@ -387,7 +389,8 @@ async def test_a_sandbox_made_new_for_the_next_session_keeps_nothing_of_the_last
         left = await sh(host, f"python3 -c '{_LEAVE_EVERYTHING}' && {_WHAT_IS_LEFT}", first)
         assert left.exit_status == 0, left
         words = left.stdout.text().split()
-        for trace in (".hidden", "d", "t", "shut", "s", "q", "1441", "1442", "1443", "leftkey"):
+        traces = (".hidden", "d", "t", "shut", "s", "q", "1441", "1442", "1443", "leftkey")
+        for trace in (*traces, "user.left"):
             assert trace in words, (trace, words)  # left there, and seen
         # Its own root and /dev (tmpfs, its uid's) it cannot change: no /bin or /dev/null of
         # its choosing for the next session.

@@ -265,6 +265,9 @@ def _empty(directory: int, path: str, errors: list[str], depth: int) -> bool:
         os.fchmod(directory, 0o700)  # a directory the session made read-only
         names = os.listdir(directory)
         device = os.fstat(directory).st_dev
+        if depth == 0:  # the directory itself stays: so must nothing of the session's on it
+            for attribute in os.listxattr(directory):  # user.*, an ACL
+                os.removexattr(directory, attribute)
     except OSError as exc:
         errors.append(f"{path}: {exc.strerror}")
         return False

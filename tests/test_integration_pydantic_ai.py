@@ -150,8 +150,9 @@ async def test_each_run_has_its_own_workspace_unless_the_toolset_is_entered(
         await agent.run("look around")
         outputs.append(seen(script.returns[1]))
     first, second = outputs
-    assert "was-here" not in first + second  # each run began empty
-    assert first.splitlines()[-1] != second.splitlines()[-1]  # in two workspaces
+    # Each run began empty: a session of its own (under walls the second may be the first's
+    # workspace and sandbox made new, at the same path: docs/sandboxes.md).
+    assert "was-here" not in first + second
     assert backend.workspaces() == []
 
     async with toolset:  # entered by hand: one session for every run inside

@@ -281,6 +281,7 @@ class LocalHost(Host):
                 max_spares=self.config.spare_workspaces,
                 loop=asyncio.get_running_loop(),
                 discard=self._discard,
+                respare=lambda path: self._rename_kind(path, "ws", "spare"),
             )
         self._started = True
 
@@ -719,9 +720,12 @@ class LocalHost(Host):
         self._workspaces.discard(path)
         self._starting.pop(path, None)
         keeper = self._keeper
-        kept = keeper is not None and path not in self._unkept and await self._made_new(path)
-        if kept and keeper is not None and keeper.recycle(path):
-            return
+        process = self._reusable(path) if keeper is not None and path not in self._unkept else None
+        if keeper is not None and process is not None:
+            spare = keeper.recycle(path)
+            if spare is not None:  # made new while the caller goes on; removed if that fails
+                process.reset(path, lambda ok: keeper.made_new(spare, ok))
+                return
         self._detach(path)
         if path in self._unkept or keeper is None:  # not the keeper's, or closing: here
             self._unkept.discard(path)
@@ -729,13 +733,13 @@ class LocalHost(Host):
             return
         await keeper.remove(path)
 
-    async def _made_new(self, path: str) -> bool:
-        """Under walls: make the closed workspace ``path`` and its sandbox new in place, for the
-        next session (its sandbox costs more to make than to reset): the agent kills what the
-        session left and empties the workspace and the sandbox's own scratch places, and the
-        workspace is then seen empty from here too. False where that cannot be (the caller
-        removes it): a file operation still in flight, a fork's overlay, a quota's tmpfs, a
-        sandbox not running, or any step failed."""
+    def _reusable(self, path: str) -> SandboxProcess | None:
+        """Under walls: the sandbox of the closed workspace ``path``, if both can be made new
+        in place for a next session (its sandbox costs more to make than to reset: the agent
+        kills what the session left and empties the workspace and the sandbox's own scratch
+        places; a keeper thread then sees the workspace empty from here too). None where that
+        cannot be: a file operation still in flight, a fork's overlay, a quota's tmpfs, a
+        sandbox not running."""
         walls, layers = self._walls.get(_suffix(path)), self._layers
         if (
             not self._sandboxed
@@ -748,15 +752,8 @@ class LocalHost(Host):
             or layers is None
             or layers.is_overlay(path)
         ):
-            return False
-        made_new = False
-        with anyio.CancelScope(shield=True):
-            if await walls.process.reset(path):
-                try:
-                    made_new = not await anyio.to_thread.run_sync(os.listdir, path)
-                except OSError:
-                    made_new = False
-        return made_new
+            return None
+        return walls.process
 
     # Beneath the workspace's descriptor, by the kernel (agent_backend.backends.local_files).
 

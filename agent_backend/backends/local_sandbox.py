@@ -207,7 +207,8 @@ class SandboxProcess:
         """The agent was let go: the next message is preceded by a wake-up."""
         self._leaving = 0
         """Agents let go whose exit has not been reported yet."""
-        self._resets: dict[int, asyncio.Future[bool]] = {}
+        self._resets: dict[int, Callable[[bool], None]] = {}
+        """What to call when the agent answers a reset (or dies first: with False)."""
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "asleep" if self._asleep else "alive"
@@ -386,25 +387,24 @@ class SandboxProcess:
             child._exit_known(pending.code)
         return child
 
-    async def reset(self, workspace: str) -> bool:
-        """Make the sandbox new for another session: its agent kills every process of the
-        session and empties ``workspace`` (as the sandbox sees it), ``/tmp``, ``/dev/shm`` and
-        the message queues, and removes its System V IPC objects. False when any of it failed
-        (the caller then ends the sandbox); only between calls."""
+    def reset(self, workspace: str, done: Callable[[bool], None]) -> None:
+        """Make the sandbox new for another session, without waiting: its agent kills every
+        process of the session, empties ``workspace`` (as the sandbox sees it), ``/tmp``,
+        ``/dev/shm`` and ``/dev/mqueue``, removes its System V IPC objects and clears the uid's
+        keyrings. ``done(ok)`` is called on the event loop with the outcome (False: something
+        failed, or the sandbox died first; the caller then ends it). Only between calls."""
         if self.is_dead() or self._calls:
-            return False
-        loop = self._attach()
+            self._attach().call_soon(done, False)
+            return
+        self._attach()
         self._next += 1
         call = self._next
-        done: asyncio.Future[bool] = loop.create_future()
         self._resets[call] = done
         try:
             self.send({"op": "reset", "id": call, "workspace": workspace})
-            return await done
         except SandboxDied:
-            return False
-        finally:
-            self._resets.pop(call, None)
+            if self._resets.pop(call, None) is not None:  # not yet told by _died
+                self._attach().call_soon(done, False)
 
     def send(self, message: dict[str, Any], *, fds: Sequence[int] = ()) -> None:
         data = json.dumps(message).encode()
@@ -444,12 +444,11 @@ class SandboxProcess:
                 os.killpg(self.pid, signal.SIGKILL)
             return
         if pending is None:
-            reset = self._resets.get(message.get("id"))
+            reset = self._resets.pop(message.get("id"), None)
             if reset is not None:
-                if not reset.done():
-                    reset.set_result(message.get("reset") is True)
-                    if message.get("reset") is not True:
-                        logger.info("a sandbox could not be reset: %s", message.get("why"))
+                if message.get("reset") is not True:
+                    logger.info("a sandbox could not be reset: %s", message.get("why"))
+                reset(message.get("reset") is True)
             elif message.get("idle") is not None:
                 self._let_go()
             elif "exited" in message:
@@ -495,9 +494,9 @@ class SandboxProcess:
         if self._loop is not None:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(self._control.fileno())
-        for reset in self._resets.values():
-            if not reset.done():
-                reset.set_result(False)
+        resets, self._resets = self._resets, {}
+        for reset in resets.values():
+            reset(False)
         calls, self._calls = self._calls, {}
         for pending in calls.values():
             pending.exited = True

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -76,20 +77,26 @@ class WorkspaceKeeper:
         max_spares: int,
         loop: asyncio.AbstractEventLoop,
         discard: Callable[[str], str] | None = None,
+        respare: Callable[[str], str] | None = None,
     ) -> None:
         """``make`` makes a spare; ``activate`` renames one to its workspace name, and returns it;
-        ``discard`` renames a workspace to a trash name, and returns it; ``remove`` removes a tree.
+        ``discard`` renames a workspace to a trash name, and returns it; ``respare`` renames a
+        workspace made new to a spare's name, and returns it; ``remove`` removes a tree.
         """
         self._make = make
         self._activate = activate
         self._remove = remove
         self._discard = discard
+        self._respare = respare
         self._max_spares = max_spares
         self._loop = loop
         self._lock = threading.Condition()
         self._spares: collections.deque[str] = collections.deque()
-        # Workspaces given back already made new (a sandbox reset): taken before the spares.
+        # Workspaces given back made new (a sandbox reset), spares again: taken first; before
+        # that, being made new, then checked empty by a thread.
         self._recycled: collections.deque[str] = collections.deque()
+        self._resetting: set[str] = set()
+        self._checks: collections.deque[str] = collections.deque()
         self._waiting: collections.deque[asyncio.Future[str]] = collections.deque()
         self._removals: collections.deque[tuple[str, asyncio.Future[None]]] = collections.deque()
         # Trees nobody waits for: trash, and workspaces whose caller gave up before they came.
@@ -139,10 +146,11 @@ class WorkspaceKeeper:
                 raise PoolClosed("the local backend is closed")
             self._in_use += 1
             self._target = min(self._max_spares, max(self._target, self._in_use))
-            if self._recycled:  # in use under its own name: nothing to rename, nothing to make
-                return self._recycled.popleft()
-            spare = self._spares.popleft() if self._spares else None
-            self._lock.notify()  # to make up for it, or to make this one
+            if self._recycled:  # nothing to make up for
+                spare: str | None = self._recycled.popleft()
+            else:
+                spare = self._spares.popleft() if self._spares else None
+                self._lock.notify()  # to make up for it, or to make this one
             if spare is None:
                 future: asyncio.Future[str] = self._loop.create_future()
                 self._waiting.append(future)
@@ -162,15 +170,40 @@ class WorkspaceKeeper:
                 self._in_use -= 1
             raise
 
-    def recycle(self, path: str) -> bool:
-        """Take back the workspace ``path``, made new by its caller, for the next :meth:`take`
-        under the same name; False (nothing done) when enough are kept already: remove it."""
+    def recycle(self, path: str) -> str | None:
+        """Take back the workspace ``path``, to be made new by its caller, as a spare for a
+        later :meth:`take`: renamed to a spare's name now (the new name, or None when enough
+        are kept already or the rename failed: the caller removes it as usual). The caller
+        then calls :meth:`made_new` with the outcome."""
         with self._lock:
-            if self._closing or len(self._recycled) >= self._max_spares:
-                return False
+            returning = len(self._recycled) + len(self._resetting) + len(self._checks)
+            if self._respare is None or returning >= self._max_spares:
+                return None
+        try:
+            spare = self._respare(path)
+        except OSError as exc:
+            logger.debug("workspace %s not renamed to a spare (%s): removed", path, exc)
+            return None
+        with self._lock:
             self._in_use -= 1
-            self._recycled.append(path)  # counted with the spares: fewer are made meanwhile
-            return True
+            self._resetting.add(spare)
+        return spare
+
+    def _kept(self) -> int:
+        """Spares, and workspaces on their way back to being spares (under the lock)."""
+        return len(self._spares) + len(self._recycled) + len(self._resetting) + len(self._checks)
+
+    def made_new(self, spare: str, ok: bool) -> None:
+        """On the event loop: the outcome of making ``spare`` (from :meth:`recycle`) new. A
+        thread checks it is empty, then keeps it for the next :meth:`take`; otherwise (or not
+        ``ok``) it is removed."""
+        with self._lock:
+            self._resetting.discard(spare)
+            if ok:
+                self._checks.append(spare)
+            else:
+                self._trash.append(spare)
+            self._lock.notify()
 
     async def remove(self, path: str) -> None:
         """Remove the workspace ``path`` (taken from here): gone under its name on return.
@@ -231,13 +264,16 @@ class WorkspaceKeeper:
         while True:
             with self._lock:
                 while True:
+                    if self._checks:  # cheap, and what it yields is ready at once
+                        job: Any = ("check", self._checks.popleft())
+                        break
                     if self._waiting:
-                        job: Any = ("make", self._waiting.popleft())
+                        job = ("make", self._waiting.popleft())
                         break
                     if self._removals:
                         job = ("remove", self._removals.popleft())
                         break
-                    kept = len(self._spares) + len(self._recycled) + self._making
+                    kept = self._kept() + self._making
                     if not self._closing and kept < self._target:
                         self._making += 1
                         job = ("spare", None)
@@ -249,6 +285,27 @@ class WorkspaceKeeper:
                         return
                     self._lock.wait()
             kind, item = job
+            if kind == "check":  # made new by its sandbox's agent: seen empty from here too
+                try:
+                    empty = not os.listdir(item)
+                except OSError:
+                    empty = False
+                waiter = None
+                with self._lock:
+                    if not empty or self._closing:
+                        self._trash.append(item)
+                    elif self._waiting:  # a caller waits for a workspace to be made: this one
+                        waiter = self._waiting.popleft()
+                    else:
+                        self._recycled.append(item)
+                if waiter is not None:
+                    try:
+                        path = self._activate(item)
+                    except Exception as exc:
+                        self._loop.call_soon_threadsafe(self._hand_over, waiter, None, exc)
+                    else:
+                        self._loop.call_soon_threadsafe(self._hand_over, waiter, path, None)
+                continue
             # Exception, not OSError only: whatever fails goes to the caller (or the log);
             # a thread that died would leave its callers waiting forever.
             if kind == "remove":
@@ -315,12 +372,16 @@ class WorkspaceKeeper:
             left = [
                 *self._spares,
                 *self._recycled,
+                *self._resetting,
+                *self._checks,
                 *(path for path, _ in self._removals),
                 *self._trash,
                 *self._failed,
             ]
             self._spares.clear()
             self._recycled.clear()
+            self._resetting.clear()
+            self._checks.clear()
             self._removals.clear()
             self._trash.clear()
             self._failed.clear()

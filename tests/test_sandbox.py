@@ -751,3 +751,35 @@ async def test_an_idle_sandbox_lets_its_agent_go_and_wakes_it_for_the_next_call(
         after = await sh(host, "cat f", workspace)
         assert after.stdout.text() == "one\n"
         assert _processes_with("sleep 300.5") == []
+
+
+async def test_a_spare_keeps_its_agent_until_a_session_takes_it() -> None:
+    """A spare's agent stays past ``sandbox_agent_idle`` (the session that takes it must not
+    wait for an agent to start: seconds on a loaded machine); taken, it leaves when idle."""
+    require_walls()
+    config = LocalPoolConfig(limits=LIMITS, spare_workspaces=1, sandbox_agent_idle=0.2)
+    async with LocalBackend(config) as backend:
+        host = backend.host
+        first = await host.make_workspace()
+        assert (await sh(host, "echo one", first)).stdout.text() == "one\n"
+        suffix = first.rsplit("-", 1)[-1]
+        process = host._walls[suffix].process
+        assert process is not None
+        await host.remove_workspace(first)  # made new in place: a spare again, its agent awake
+        with anyio.fail_after(60):
+            while not any(s.endswith(suffix) for s in host.spare_workspaces()):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        with anyio.fail_after(60):  # 0.2 s of idleness: it asks to leave, and is kept
+            while not process._kept_awake:  # noqa: ASYNC110 - its answer to the agent
+                await anyio.sleep(0.02)
+        uid = os.stat(next(s for s in host.spare_workspaces() if s.endswith(suffix))).st_uid
+        assert any(name.startswith("python") for name, _ in _sandbox_processes(uid).values())
+        workspace = await host.make_workspace()
+        assert workspace.endswith(suffix)  # that very sandbox
+        with anyio.fail_after(60):  # taken and idle: it leaves
+            while any(  # noqa: ASYNC110 - a state in /proc
+                name.startswith("python") for name, _ in _sandbox_processes(uid).values()
+            ):
+                await anyio.sleep(0.02)
+        result = await sh(host, "echo woken", workspace)
+        assert result.stdout.text() == "woken\n"

@@ -437,6 +437,7 @@ class LocalHost(Host):
                 pass_fds=(init_fd,) if hosts is None else (init_fd, hosts),
                 loop=self._loop,
             )
+            walls.process.use(at == root)  # a spare's agent stays until a session takes it
 
     def _in_use_path(self, path: str) -> str:
         """The path the directory ``path`` has while a session uses it: a spare's workspace name
@@ -702,6 +703,9 @@ class LocalHost(Host):
                     raise PoolClosed("the local backend is closed")
                 if self._sandboxed and self.config.workspace_quota_mb is not None:
                     await self._limit_taken(path)
+                walls = self._walls.get(_suffix(path))
+                if walls is not None and walls.process is not None:
+                    walls.process.use(True)
                 self._workspaces.add(path)
         except OSError as exc:
             raise BackendUnavailable(
@@ -724,6 +728,7 @@ class LocalHost(Host):
         if keeper is not None and process is not None:
             spare = keeper.recycle(path)
             if spare is not None:  # made new while the caller goes on; removed if that fails
+                process.use(False)
                 process.reset(path, lambda ok: keeper.made_new(spare, ok))
                 return
         self._detach(path)

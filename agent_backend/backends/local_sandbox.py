@@ -209,6 +209,12 @@ class SandboxProcess:
         """Agents let go whose exit has not been reported yet."""
         self._resets: dict[int, Callable[[bool], None]] = {}
         """What to call when the agent answers a reset (or dies first: with False)."""
+        self._in_use = False
+        """A session holds it (:meth:`use`): its agent may leave when idle. A spare's stays, so
+        that a session's first call never waits for an agent to start."""
+        self._kept_awake = False
+        """Its agent asked to leave while it was a spare, and was kept: it asks no more until
+        its next message."""
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "asleep" if self._asleep else "alive"
@@ -468,9 +474,23 @@ class SandboxProcess:
             if pending.child is not None:
                 pending.child._exit_known(pending.code)
 
+    def use(self, in_use: bool) -> None:
+        """A session takes this sandbox (True), or gives it back to be a spare (False). Taken,
+        an agent kept awake as a spare's starts its idle time again (a message, no wake-up)."""
+        self._in_use = in_use
+        if in_use and self._kept_awake and not self._dead:
+            self._kept_awake = False
+            with contextlib.suppress(SandboxDied):
+                self.send({"op": "stay"})
+
     def _let_go(self) -> None:
-        """An idle agent asks to leave: let it, unless a call came meanwhile (it gets that)."""
+        """An idle agent asks to leave: let it, unless a call came meanwhile (it gets that) or
+        no session holds the sandbox (a spare's agent stays: starting it again costs the first
+        call of the session that takes it tens of ms, seconds on a loaded machine)."""
         if self._calls or self._resets or self._asleep or self._dead:
+            return
+        if not self._in_use:
+            self._kept_awake = True
             return
         self.send({"op": "leave"})
         self._asleep, self._leaving = True, self._leaving + 1

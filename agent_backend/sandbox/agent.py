@@ -24,7 +24,9 @@ nothing of the host's (whose files the sandbox cannot see). Its stdin is a
 * After ``IDLE`` seconds without a command running or a message: ``{"idle": true}``,
   once; answered ``{"op": "leave"}`` when the backend has no call for it, and
   then the agent exits (the shell reports it, and starts it again when the backend
-  wakes it for its next call: an idle sandbox holds no Python).
+  wakes it for its next call: an idle sandbox holds no Python). Left unanswered
+  (a spare's agent stays), it asks again only after its next message, such as
+  ``{"op": "stay"}`` (nothing else).
 
 End of file on the socket (the backend closed it, or died) ends the agent,
 and with it the sandbox: the init exits when its child does, and the kernel

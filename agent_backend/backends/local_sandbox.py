@@ -213,8 +213,7 @@ class SandboxProcess:
         """A session holds it (:meth:`use`): its agent may leave when idle. A spare's stays, so
         that a session's first call never waits for an agent to start."""
         self._kept_awake = False
-        """Its agent asked to leave while it was a spare, and was kept: it asks no more until
-        its next message."""
+        """Its agent asked to leave while it was a spare, and was kept."""
 
     def __repr__(self) -> str:
         state = "dead" if self._dead else "asleep" if self._asleep else "alive"
@@ -476,10 +475,11 @@ class SandboxProcess:
 
     def use(self, in_use: bool) -> None:
         """A session takes this sandbox (True), or gives it back to be a spare (False). Taken,
-        an agent kept awake as a spare's starts its idle time again (a message, no wake-up)."""
+        its agent's idle time starts again (a message, no wake-up): the session's first call
+        comes after a model's turn, and must find the agent up."""
         self._in_use = in_use
-        if in_use and self._kept_awake and not self._dead:
-            self._kept_awake = False
+        self._kept_awake = False
+        if in_use and not (self._dead or self._asleep):
             with contextlib.suppress(SandboxDied):
                 self.send({"op": "stay"})
 

@@ -75,10 +75,13 @@ class LocalPoolConfig(ConfigModel):
     sandbox_read_only: tuple[ConfigPath, ...] = ()
     """More host paths every sandbox sees read-only at their own paths (a virtual environment,
     a dataset), beside the system directories; only under ``isolation = "namespaces"``."""
-    sandbox_agent_idle: float | None = pydantic.Field(default=5.0, gt=0, le=86400)
-    """Seconds a sandbox's agent (the Python program that starts its commands) stays without a
-    call before it leaves; the next call starts it again (a few tens of ms). An idle sandbox then
-    holds only its init, a shell (under 1 MB). None: agents stay for the sandbox's whole life."""
+    sandbox_agent_idle: float | None = pydantic.Field(default=30.0, gt=0, le=86400)
+    """Seconds a session's sandbox agent (the Python program that starts its commands, ~5 MB)
+    stays without a call before it leaves; the next call starts it again (tens of ms of CPU;
+    seconds on a machine loaded by a policy server). Longer than a model's usual turn, so that
+    an episode's calls find it up. An idle sandbox then holds only its init, a shell (under
+    1 MB). A spare's agent stays until a session takes it. None: agents stay for the sandbox's
+    whole life."""
     sandbox_state_dir: ConfigPath = "/run/agent-backend"
     """Where sandboxing backends on this host record what they own (their uids), so that one
     that starts after another died removes what the dead one left (and nothing of a live one)."""

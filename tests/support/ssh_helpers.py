@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import subprocess
@@ -68,3 +69,37 @@ def kill_leftovers(pattern: str) -> None:
     for pid in processes_matching(pattern):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, 9)
+
+
+def lock_is_held(path: str) -> bool:
+    """Someone holds an exclusive ``flock`` on ``path`` (it exists and ``LOCK_NB`` fails).
+    A free lock is let go at once, so the probe never holds it for anyone else to see."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock the probe got
+    return False
+
+
+def processes_with_token(prefix: str) -> list[int]:
+    """Processes whose environment has an ``AGENT_BACKEND_CALL`` entry starting with ``prefix``
+    (``<instance>.`` for all of an owner's, ``<instance>.owner`` for its lock holder)."""
+    wanted = f"AGENT_BACKEND_CALL={prefix}".encode()
+    found: list[int] = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                entries = environ.read().split(b"\0")
+        except OSError:
+            continue
+        if any(entry.startswith(wanted) for entry in entries):
+            found.append(int(name))
+    return found

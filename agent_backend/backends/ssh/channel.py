@@ -156,6 +156,14 @@ class SSHConnector:
     def is_fatal(self, exc: BackendUnavailable) -> bool:
         return isinstance(exc.__cause__, _FATAL_CONNECT_ERRORS)
 
+    def sibling(self) -> SSHConnector:
+        """A connector to the same host, user and port with the credentials already loaded,
+        and counters of its own: for the owner lock's connection, which the pool does not
+        count (:mod:`.owners`)."""
+        other = SSHConnector(self.config, self.username, self.name)
+        other._known_hosts, other._client_keys = self._known_hosts, self._client_keys
+        return other
+
 
 async def wait_closed(connection: SSHConnection) -> None:
     """Wait (bounded) for a closed connection to finish closing, else abort it."""
@@ -220,10 +228,14 @@ async def open_channel(
     *,
     host: str,
     open_timeout: float,
+    protocol: _CommandChannel | None = None,
 ) -> tuple[asyncssh.SSHClientChannel[bytes], _CommandChannel]:
-    """Open a channel running ``line``. Shielded: a half-opened channel is never abandoned;
-    the caller's cancellation or deadline takes effect right after (and kills the command)."""
-    protocol = _CommandChannel(*limits)
+    """Open a channel running ``line`` (its output kept within ``limits``, or by ``protocol``
+    when given). Shielded: a half-opened channel is never abandoned; the caller's
+    cancellation or deadline takes effect right after (and kills the command)."""
+    if protocol is None:
+        protocol = _CommandChannel(*limits)
+    session = protocol
     # A connection that cannot open a channel within open_timeout is sick: drop it
     # (it leaves the table in connection_lost, and this open fails as WorkerLost).
     watchdog = asyncio.get_running_loop().call_later(open_timeout, connection.conn.abort)
@@ -238,7 +250,7 @@ async def open_channel(
             ),
             anyio.CancelScope(shield=True),
         ):
-            channel, _ = await connection.conn.create_session(lambda: protocol, line, encoding=None)
+            channel, _ = await connection.conn.create_session(lambda: session, line, encoding=None)
     except WorkerLost as exc:
         exc.worker = f"{host}#{connection.serial}"
         raise

@@ -8,12 +8,16 @@ token; :class:`~.remote.RemoteKills`), then the channel is closed. Commands of
 a lost connection keep running under sshd (no pty, no SIGHUP); they are killed
 by token over the next connection ("orphans").
 
+Before the host's first command or workspace (single-flight: calls that come meanwhile wait),
+it takes this owner's lock on the host and sweeps what dead owners left there
+(:mod:`.owners`; a failure of either is a WARNING, never fatal).
+
 Under ``isolation = "namespaces"`` a model's command runs in a sandbox made for the call
-(:mod:`.walls`). Before the host's first command or workspace, one trial sandbox proves the
-host can build them (single-flight); a host that cannot is refused with
-:class:`~agent_backend.errors.SandboxUnavailable` naming what it lacks, placement prefers other
-hosts, and each later call to it tries again (never unconfined). A command's working directory
-must be inside one of this host's workspaces, the only writable host directory it sees.
+(:mod:`.walls`). After the sweep, one trial sandbox proves the host can build them; a host that
+cannot is refused with :class:`~agent_backend.errors.SandboxUnavailable` naming what it lacks,
+placement prefers other hosts, and each later call to it tries again (never unconfined). A
+command's working directory must be inside one of this host's workspaces, the only writable
+host directory it sees.
 
 This module must never leave a remote process of a timed-out or cancelled call
 running, let an asyncssh exception reach a caller, or remove a path it did not
@@ -28,6 +32,7 @@ import functools
 import getpass
 import itertools
 import logging
+import math
 import posixpath
 import secrets
 import shlex
@@ -40,7 +45,7 @@ import anyio.to_thread
 import asyncssh
 
 from agent_backend.backends._errors import describe
-from agent_backend.backends.ssh import remote, walls
+from agent_backend.backends.ssh import owners, remote, walls
 from agent_backend.backends.ssh.channel import (
     SSHConnection,
     SSHConnector,
@@ -101,14 +106,28 @@ class SSHHost(Host):
         )
         self._workspaces: set[str] = set()
         self._instance = secrets.token_hex(4)
+        """This host's owner id on the remote host: call tokens, workspace names, its lock."""
         self._call_ids = itertools.count(1)
         self._calls_started = 0
+        self.owner_lock = owners.OwnerLock(
+            self._connector,
+            self.pool,
+            host=self.name,
+            instance=self._instance,
+            root=config.workspace_root,
+            base_env=config.env,
+            open_timeout=config.connect_timeout,
+            retry_backoff=config.retry_backoff,
+            retry_ceiling=config.probe_interval,
+        )
+        """This owner's lock on the host (read-only for callers)."""
+        self._owners_swept = False  # the lock taken (or not: logged) and dead owners swept once
         # isolation = "namespaces": proven once by a trial sandbox; refused while it fails.
         self._walled = config.isolation == "namespaces"
         self._walls_ready = False
         self._walls_refused = False
-        self._walls_check = anyio.Lock()
-        self._walls_waiting = 0  # calls waiting for the check
+        self._first_use = anyio.Lock()  # single-flight: the sweep, then the walls' trial
+        self._first_use_waiting = 0  # calls waiting for it
         if config.insecure_skip_host_key_check:
             logger.warning(
                 "%s: host key verification is OFF (insecure_skip_host_key_check = true); "
@@ -131,9 +150,9 @@ class SSHHost(Host):
         return self._walls_refused or self.pool.is_suspect()
 
     def calls_in_flight(self) -> int:
-        """Calls in flight: holding a channel slot, queued for one, or waiting for the check
-        of the walls before their first."""
-        return self.pool.table.active_leases() + self.pool.queued() + self._walls_waiting
+        """Calls in flight: holding a channel slot, queued for one, or waiting for what runs
+        before the host's first call (the owner lock and sweep, the check of the walls)."""
+        return self.pool.table.active_leases() + self.pool.queued() + self._first_use_waiting
 
     def statistics(self) -> SSHHostStats:
         pool = self.pool
@@ -176,6 +195,12 @@ class SSHHost(Host):
         """The workspaces made and not yet removed."""
         return frozenset(self._workspaces)
 
+    @property
+    def instance(self) -> str:
+        """This host's owner id on the remote host (``AGENT_BACKEND_CALL=<instance>.<n>``,
+        ``ws.<instance>.*``, ``owners/<instance>.lock``)."""
+        return self._instance
+
     # -- lifecycle (driven by SSHBackend) -----------------------------------------------------
 
     async def _start(self, tg: anyio.abc.TaskGroup) -> None:
@@ -202,6 +227,8 @@ class SSHHost(Host):
         connections = self.pool.take_all()
         if self._kills.orphans or self._workspaces:
             await self._final_cleanup([c for c in connections if not c.lost])
+        # Nothing of ours left on the host: the lock file goes too; else a successor sweeps.
+        await self.owner_lock.aclose(release=not (self._kills.orphans or self._workspaces))
         for connection in connections:
             connection.conn.close()
         for connection in connections:
@@ -242,14 +269,19 @@ class SSHHost(Host):
 
     async def run(self, command: Command) -> CommandResult:
         config = self.config
+        started = time.monotonic()
         line_for: Callable[[str], str]
+        if self._walled:
+            self._calls_started += 1  # a call from now, though it may wait for the walls check
+        if not await self._check_first_use(timeout=command.timeout):
+            if not self._walled:
+                self._calls_started += 1  # counted as a call that waited for a channel is
+            return self._busy_result(started)
         if not self._walled:
             line_for = functools.partial(
                 remote.command_line, command, base_env=config.env, shell=config.shell
             )
         else:
-            self._calls_started += 1  # a call from now, though it may wait for the walls check
-            await self._check_walls()
             workspace = self._workspace_of(command.cwd)
             if command.cwd is not None and workspace is None:
                 return self._outside_workspace()
@@ -363,6 +395,7 @@ class SSHHost(Host):
 
     def _connection_added(self) -> None:
         self._kills.schedule_orphan_cleanup()
+        self.owner_lock.connection_added()
 
     async def _maintenance(
         self,
@@ -440,19 +473,73 @@ class SSHHost(Host):
             host=self.name,
         )
 
-    # -- walls (isolation = "namespaces") ----------------------------------------------------
+    # -- before the first call: owner records, walls ------------------------------------------
 
-    async def _check_walls(self) -> None:
-        """Return once a trial sandbox ran on this host; :class:`SandboxUnavailable` (naming
-        what the host lacks) while it cannot. Single-flight: callers that find it unchecked
-        wait for the one check under way."""
-        if not self._walls_ready:
-            self._walls_waiting += 1  # in flight, for placement: they run next
+    async def _check_first_use(self, *, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Return once this host took its owner lock and swept what dead owners left (once;
+        a failure of either is logged, never fatal), and, under ``isolation = "namespaces"``,
+        once a trial sandbox ran; :class:`SandboxUnavailable` (naming what the host lacks)
+        while it cannot. Single-flight: callers that find it under way wait for it, up to
+        ``timeout`` (then False: the call did not start); the caller that runs it runs it to
+        its end (each step has its own bound), so that a short call does not cut it short."""
+        if self._owners_swept and (self._walls_ready or not self._walled):
+            return True
+        self._first_use_waiting += 1  # in flight, for placement: they run next
+        try:
+            acquired = False
+            with anyio.move_on_after(math.inf if timeout is None else timeout):
+                await self._first_use.acquire()
+                acquired = True
+            if not acquired:
+                return False
             try:
-                async with self._walls_check:
+                if not self._owners_swept:
+                    await self._take_ownership()
+                if self._walled:
                     await self._trial_sandbox()
             finally:
-                self._walls_waiting -= 1
+                self._first_use.release()
+        finally:
+            self._first_use_waiting -= 1
+        return True
+
+    async def _take_ownership(self) -> None:
+        """Take this owner's lock on the host and sweep what dead owners left there
+        (:mod:`.owners`: on a connection of its own), while the pool opens a connection as for
+        a call: a host that cannot be reached fails here as a call would (counted towards
+        marking it down; the first-use check runs again on the next call), in the time of
+        one handshake, not two. The lease is held until the sweep is done, so that the
+        connection is not reaped before the call that waits for it. Raises only what
+        leasing raises."""
+        self.pool.check_usable()
+        timeout = self.config.file_op_timeout
+        self._in_flight += 1  # so that a close waits for it
+        try:
+            lease = None
+            failure: Exception | None = None
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(self.owner_lock.take, timeout=timeout))
+                try:
+                    with anyio.move_on_after(timeout):
+                        lease = await self.pool.lease(remote.CallOwner(f"{self._instance}.owners"))
+                except (BackendUnavailable, PoolClosed) as exc:
+                    failure = exc
+                if lease is None:
+                    tg.cancel_scope.cancel()
+            if lease is None:
+                raise failure or BackendUnavailable(
+                    f"no SSH channel to {self.name} became free within {timeout:g} s",
+                    backend="ssh",
+                    host=self.name,
+                )
+            self.pool.release(lease)
+            if not self.owner_lock.refused():
+                self.pool.background.spawn(self.owner_lock.keep, "owner lock")
+            self._owners_swept = True
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and not self.pool.is_open():
+                self._calls_done.set()
 
     async def _trial_sandbox(self) -> None:
         """Run ``true`` in a sandbox, unless a caller that held the lock before did."""
@@ -556,9 +643,9 @@ class SSHHost(Host):
         return result
 
     async def make_workspace(self) -> str:
-        if self._walled:  # a session on a host that cannot wall its commands: refused now
-            await self._check_walls()
-        path = await self._files.make_workspace(self.config.workspace_root)
+        # Owner records first; a session on a host that cannot wall its commands: refused now.
+        await self._check_first_use()
+        path = await self._files.make_workspace(self.config.workspace_root, self._instance)
         if not self.pool.is_open():  # closed while it was being made: do not leak it
             raise PoolClosed(f"{self.name} is closed")
         self._workspaces.add(path)

@@ -5,7 +5,9 @@ inherited by all it starts: the kill script finds a call's processes by that
 token (``/proc/*/environ``), which also proves they are ours (no pid reuse can
 make it kill a stranger). Workspaces are made and removed by fixed shell
 scripts run as ``/bin/sh -c SCRIPT sh ARGS...``: arguments are never spliced
-into a script.
+into a script. A workspace is named ``ws.<instance>.XXXXXXXXXX`` after the host's owner id
+(the call tokens' ``<instance>.`` prefix), so that a successor maps it to its owner
+(:mod:`.owners`).
 
 The file tools' operations run on the remote host with the same code as on
 this machine: the source of :mod:`agent_backend.backends.local_files` (the
@@ -64,6 +66,7 @@ from agent_backend.sandbox.bwrap import remote_sandbox_argv
 
 __all__ = [
     "CALL_VAR",
+    "RUN_PYTHON",
     "CallOwner",
     "RemoteFiles",
     "RemoteKills",
@@ -81,11 +84,13 @@ CALL_VAR = "AGENT_BACKEND_CALL"
 
 # $1: the workspace root, or empty for the login user's own under /tmp. A root that is a
 # symbolic link or another user's (made first in a shared /tmp) is refused, never used.
+# $2: the owner (the host's instance): ws.<owner>.XXXXXXXXXX, so that a successor finds a dead
+# owner's workspaces by name (.owners).
 _MAKE_WORKSPACE = (
     'r=${1:-/tmp/agent-backend-$(id -u)}; umask 077 && mkdir -p -- "$r" || exit 1;'
     ' if [ -L "$r" ] || [ ! -O "$r" ]; then'
     ' echo "the workspace root $r is not a directory of this user ($(id -un))" >&2; exit 1; fi;'
-    ' cd -- "$r" && pwd -P && d=$(mktemp -d -- "$r/ws.XXXXXXXXXX") && cd -- "$d" && pwd -P'
+    ' cd -- "$r" && pwd -P && d=$(mktemp -d -- "$r/ws.$2.XXXXXXXXXX") && cd -- "$d" && pwd -P'
 )
 _REMOVE_TREE = 'chmod -R u+rwx -- "$@" 2>/dev/null; rm -rf -- "$@"'
 
@@ -124,7 +129,7 @@ _FILES_SOURCE = (
     .read_text(encoding="utf-8")
     + _FILES_MAIN
 )
-_RUN_PYTHON = 'p=$1; shift; exec python3 -I -S -c "$p" "$@"'
+RUN_PYTHON = 'p=$1; shift; exec python3 -I -S -c "$p" "$@"'
 _FILE_ERROR_EXIT = 3
 _NO_PYTHON_EXITS = (126, 127)
 _LIST_LIMIT = 16 << 20
@@ -274,10 +279,10 @@ class RemoteFiles:
         detail = clip(result.stderr.text().strip(), 300) or f"exit status {result.exit_status}"
         return f"{what} failed on {self._host}: {detail}"
 
-    async def make_workspace(self, root: str | None) -> str:
-        """A new mode-0700 directory under ``root`` (None: the login user's own root under
-        /tmp); its resolved path."""
-        result = await self._run(Script(_MAKE_WORKSPACE, (root or "",), "making a workspace"))
+    async def make_workspace(self, root: str | None, owner: str) -> str:
+        """A new mode-0700 directory ``ws.<owner>.*`` under ``root`` (None: the login user's
+        own root under /tmp); its resolved path."""
+        result = await self._run(Script(_MAKE_WORKSPACE, (root or "", owner), "making a workspace"))
         lines = result.stdout.data.decode("utf-8", "surrogateescape").splitlines()
         if result.exit_status != 0 or len(lines) != 2:
             raise BackendUnavailable(
@@ -305,7 +310,7 @@ class RemoteFiles:
     ) -> CommandResult:
         """Run one of local_files's operations on the host, beneath ``workspace``."""
         args = (_FILES_SOURCE, operation, absolute_path(workspace), path, *extra)
-        result = await self._run(Script(_RUN_PYTHON, args, what, stdin=stdin, limit=limit))
+        result = await self._run(Script(RUN_PYTHON, args, what, stdin=stdin, limit=limit))
         if result.exit_status == 0:
             return result
         if result.exit_status == _FILE_ERROR_EXIT:

@@ -11,11 +11,9 @@ except under ``CI=true``, where they fail.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from support.ssh_helpers import (
     no_process_left,
     processes_matching,
     processes_with_token,
+    require_remote_walls,
     unique_duration,
     wait_until,
 )
@@ -47,27 +46,11 @@ CHILD = Path(__file__).parent / "support" / "ssh_owner_child.py"
 TIERS = ["none", "namespaces"]
 
 
-@functools.cache
-def _walls_missing() -> str | None:
-    """None when bubblewrap can build a sandbox here (the test sshd's host), else why not."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
-    trial = ["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "true"]
-    done = subprocess.run(trial, capture_output=True, text=True, timeout=30, check=False)
-    if done.returncode != 0:
-        return f"bubblewrap cannot build a sandbox here: {done.stderr.strip()}"
-    return None
-
-
 @pytest.fixture(params=TIERS)
 def isolation(request: pytest.FixtureRequest) -> str:
     tier: str = request.param
     if tier == "namespaces":
-        reason = _walls_missing()
-        if reason is not None:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"CI=true and {reason}")
-            pytest.skip(reason)
+        require_remote_walls()
     return tier
 
 

@@ -12,15 +12,12 @@ The sshd runs on this machine as this user, so what a call leaves behind is seen
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import os
 import posixpath
 import secrets
-import shutil
 import socket
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +29,7 @@ from support.ssh_helpers import (
     kill_leftovers,
     no_process_left,
     processes_matching,
+    require_remote_walls,
     unique_duration,
     wait_until,
 )
@@ -52,27 +50,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 runner = CliRunner()
 
 
-@functools.cache
-def _walls_missing() -> str | None:
-    """None when bubblewrap can build a sandbox here (the test sshd's host), else why not."""
-    if shutil.which("bwrap") is None:
-        return "bubblewrap is not installed (apt-get install bubblewrap)"
-    trial = ["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "true"]
-    done = subprocess.run(trial, capture_output=True, text=True, timeout=30, check=False)
-    if done.returncode != 0:
-        return f"bubblewrap cannot build a sandbox here: {done.stderr.strip()}"
-    return None
-
-
 @pytest.fixture
 def walled_sshd(sshd: SSHServer) -> SSHServer:
     """The sshd fixture, on a host where the login user can build the walls; under
     ``CI=true`` a host that cannot fails the test instead of skipping it."""
-    reason = _walls_missing()
-    if reason is not None:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI=true and {reason}")
-        pytest.skip(reason)
+    require_remote_walls()
     return sshd
 
 

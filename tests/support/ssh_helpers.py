@@ -4,20 +4,45 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import itertools
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
 
 import anyio
+import pytest
 
 from agent_backend.backends.ssh import SSHBackend, SSHHostConfig, SSHPoolConfig
 from agent_backend.dispatch.backend import Command
 from support.sshd import SSHServer
 
 _unique = itertools.count(1)
+
+
+@functools.cache
+def _walls_missing() -> str | None:
+    """None when bubblewrap can build a sandbox here (the test sshd's host), else why not."""
+    if shutil.which("bwrap") is None:
+        return "bubblewrap is not installed (apt-get install bubblewrap)"
+    trial = ["bwrap", "--unshare-all", "--unshare-user", "--ro-bind", "/", "/", "true"]
+    done = subprocess.run(trial, capture_output=True, text=True, timeout=30, check=False)
+    if done.returncode != 0:
+        return f"bubblewrap cannot build a sandbox here: {done.stderr.strip()}"
+    return None
+
+
+def require_remote_walls() -> None:
+    """Skip unless the test sshd's login user can build the namespaces tier's walls; under
+    ``CI=true`` fail instead."""
+    reason = _walls_missing()
+    if reason is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true and {reason}")
+        pytest.skip(reason)
 
 
 def backend_for(*servers: SSHServer, **overrides: Any) -> SSHBackend:

@@ -753,6 +753,30 @@ async def test_an_idle_sandbox_lets_its_agent_go_and_wakes_it_for_the_next_call(
         assert _processes_with("sleep 300.5") == []
 
 
+async def test_what_the_file_tools_make_belongs_to_the_session() -> None:
+    """write_file runs as root on the host; what it makes (the file, missing parents) is owned
+    by the sandbox's uid, so the session's commands can append to it and write beside it."""
+    require_walls()
+    config = LocalPoolConfig(limits=LIMITS, spare_workspaces=0)
+    async with LocalBackend(config) as backend:
+        host = backend.host
+        workspace = await host.make_workspace()
+        uid = os.stat(workspace).st_uid
+        await host.write_file(workspace, "a/b/notes.txt", b"one\n", make_parents=True)
+        await host.write_file(workspace, "top.txt", b"top\n")
+        for made in ("a", "a/b", "a/b/notes.txt", "top.txt"):
+            assert os.stat(os.path.join(workspace, made)).st_uid == uid, made
+        result = await sh(
+            host, "echo two >> a/b/notes.txt && echo up >> top.txt && touch a/b/new", workspace
+        )
+        assert result.exit_status == 0, result.stderr.text()
+        data = await host.read_file(workspace, "a/b/notes.txt", limit=100)
+        assert data.data == b"one\ntwo\n"
+        # A file the session made stays its own when write_file replaces its content.
+        await host.write_file(workspace, "a/b/new", b"replaced\n")
+        assert os.stat(os.path.join(workspace, "a/b/new")).st_uid == uid
+
+
 async def test_a_spare_keeps_its_agent_until_a_session_takes_it() -> None:
     """A spare's agent stays past ``sandbox_agent_idle`` (the session that takes it must not
     wait for an agent to start: seconds on a loaded machine); taken, it leaves when idle."""

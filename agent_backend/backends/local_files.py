@@ -198,8 +198,17 @@ def _split(path: str) -> tuple[str, str]:
     return head, name
 
 
+def _owner_of(root_fd: int) -> tuple[int, int] | None:
+    """Who must own what the file tools make beneath the root: its owner, when that is not
+    this process (a sandbox's uid, the workspace made for it by root); None: this process."""
+    info = os.fstat(root_fd)
+    return None if info.st_uid == os.geteuid() else (info.st_uid, info.st_gid)
+
+
 def _make_dirs(root_fd: int, path: str) -> None:
-    """Make directory ``path`` and its missing parents, each with mkdirat below an opened parent."""
+    """Make directory ``path`` and its missing parents, each with mkdirat below an opened parent
+    (owned as the root is: the session's own commands can write there)."""
+    owner = _owner_of(root_fd)
     names = [name for name in path.split("/") if name not in ("", ".")]
     for depth in range(1, len(names) + 1):
         with contextlib.suppress(FileNotFoundError):
@@ -210,6 +219,8 @@ def _make_dirs(root_fd: int, path: str) -> None:
         try:
             with contextlib.suppress(FileExistsError):  # made meanwhile: opened next round
                 os.mkdir(names[depth - 1], _DIR_MODE, dir_fd=parent)
+                if owner is not None:  # a symlink swapped in meanwhile: itself, not its target
+                    os.chown(names[depth - 1], *owner, dir_fd=parent, follow_symlinks=False)
         finally:
             os.close(parent)
 
@@ -225,7 +236,8 @@ def _open_parent(root_fd: int, parent: str, make_parents: bool) -> int:
 
 
 def write_file(root: str, path: str, data: bytes, make_parents: bool = False) -> None:
-    """Create or replace file ``path`` beneath ``root`` with ``data`` (new files: mode 0644).
+    """Create or replace file ``path`` beneath ``root`` with ``data`` (new files: mode 0644,
+    owned as the root is, so that the session's commands can write them too).
 
     ``make_parents``: make missing parent directories (beneath ``root``) first.
     An existing symlink is written through only to an existing file it
@@ -247,8 +259,12 @@ def write_file(root: str, path: str, data: bytes, make_parents: bool = False) ->
             fd = open_beneath(root_fd, path, flags)
         finally:
             os.close(parent_fd)
+        owner = _owner_of(root_fd)
     try:
-        _check_file(os.fstat(fd), path)  # before anything is written: no O_TRUNC at the open
+        info = os.fstat(fd)
+        _check_file(info, path)  # before anything is written: no O_TRUNC at the open
+        if owner is not None and info.st_uid == os.geteuid():  # made by this call
+            os.fchown(fd, *owner)
         os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:

@@ -69,7 +69,12 @@ def ray_workers(server: PolicyServer, model: str, root: Path, **overrides: Any) 
         "tools": ["support.ray_tools:echo"],
     }
     settings.update(overrides)
-    tool_pool = DEFAULT_POOL.model_copy(update={"workspace_root": str(root), "kill_grace": 0.5})
+    # 4 spares, not 64: a worker holds at most max_concurrency sessions, and each spare's
+    # sandbox agent is a Python process, started as the worker starts (a CPU-bound minute on a
+    # loaded 2-core machine for two workers and a replacement at 64 each).
+    tool_pool = DEFAULT_POOL.model_copy(
+        update={"workspace_root": str(root), "kill_grace": 0.5, "spare_workspaces": 4}
+    )
     return RayRolloutWorkers(
         RayPoolConfig.model_validate(settings),
         policy={"url": server.url, "model": model, "backoff": 0.01, "max_retries": 0},

@@ -1,4 +1,4 @@
-"""The one retry rule of every HTTP retry loop: Retry-After on 429/503 (capped), else jittered backoff.
+"""The one retry rule of every HTTP retry loop: Retry-After on 429/503 (jittered, capped), else jittered backoff.
 
 The pure functions first, then both users of :func:`agent_backend.retry.retry_delay`
 (the daemon's :class:`~agent_backend.Client` and the rollouts'
@@ -24,7 +24,7 @@ import pytest
 from agent_backend.backoff import backoff_delay
 from agent_backend.client import Client
 from agent_backend.dispatch import ToolResult
-from agent_backend.retry import parse_retry_after, retry_delay
+from agent_backend.retry import parse_retry_after, retry_after_delay, retry_delay
 from agent_backend.rollout import OpenAICompatiblePolicy
 
 NOW = 1_800_000_000.0
@@ -54,9 +54,31 @@ def test_retry_after_is_seconds_or_an_http_date() -> None:
         assert parse_retry_after(unreadable, now=NOW) is None, unreadable
 
 
+def test_a_retry_after_is_waited_at_least_as_asked_and_up_to_half_again() -> None:
+    rng = random.Random(11)
+    delays = [retry_after_delay(2.0, rng=rng) for _ in range(500)]
+    assert all(2.0 <= delay < 3.0 for delay in delays)
+    assert min(delays) < 2.05, "the whole window is used"
+    assert max(delays) > 2.95, "the whole window is used"
+    same = random.Random(11)
+    assert [retry_after_delay(2.0, rng=same) for _ in range(500)] == delays  # reproducible
+    assert retry_after_delay(0.0, rng=rng) == 0.0  # "now" is not delayed
+    assert all(retry_after_delay(2.0, ceiling=2.5, rng=rng) <= 2.5 for _ in range(100))
+    assert retry_after_delay(3600.0, ceiling=5.0, rng=rng) == 5.0
+
+
+def test_callers_refused_together_come_back_spread_out() -> None:
+    """200 workers refused at once with Retry-After: 1 do not all return at the same instant."""
+    rng = random.Random(5)
+    returns = sorted(retry_after_delay(1.0, rng=rng) for _ in range(200))
+    per_10ms = [sum(1 for r in returns if start <= r < start + 0.01) for start in returns]
+    assert max(per_10ms) <= 12  # 4 on average over the 0.5 s window
+    assert returns[-1] - returns[0] > 0.45
+
+
 def test_retry_after_wins_on_429_and_503_capped_by_the_ceiling() -> None:
     assert retry_delay(1, first=10.0, ceiling=20.0, status=429, retry_after="0") == 0.0
-    assert retry_delay(1, first=10.0, ceiling=20.0, status=503, retry_after="3") == 3.0
+    assert 3.0 <= retry_delay(1, first=10.0, ceiling=20.0, status=503, retry_after="3") < 4.5
     assert retry_delay(4, first=0.1, ceiling=5.0, status=503, retry_after="3600") == 5.0
     date = email.utils.formatdate(time.time() + 3600, usegmt=True)
     assert retry_delay(1, first=0.1, ceiling=2.0, status=429, retry_after=date) == 2.0

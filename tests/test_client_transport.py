@@ -4,6 +4,9 @@ Faults are made by proxies on 127.0.0.1 between the client and the daemon:
 :class:`~support.tcp_proxy.TCPProxy` resets connections at will, :class:`LosingProxy`
 forwards each request but throws away the daemon's next answer and resets
 the connection, as when a connection dies after the daemon ran the call.
+Refusals (429, 503, with or without ``Retry-After``) come from :class:`Busy`, a
+real aiohttp server on 127.0.0.1 that answers as a daemon at its limit would, a
+set number of times.
 """
 
 from __future__ import annotations
@@ -12,17 +15,33 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp.web
 import anyio
 import anyio.abc
+import anyio.to_thread
 import pytest
 from support.daemon_fixtures import TALLY, Daemon, daemon_fixture  # noqa: F401
 from support.tcp_proxy import Listener, TCPProxy, reset_on_close
 
-from agent_backend.client import Client
-from agent_backend.errors import BackendUnavailable, PoolClosed
+from agent_backend.client import Client, SyncClient
+from agent_backend.errors import (
+    BackendUnavailable,
+    DaemonError,
+    PoolClosed,
+    RateLimited,
+    ServiceUnavailable,
+    TooManySessions,
+)
+from agent_backend.wire import (
+    IDEMPOTENCY_HEADER,
+    BatchResponse,
+    ErrorBody,
+    SessionInfo,
+    ToolResult,
+    error_to_wire,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
@@ -248,3 +267,179 @@ async def test_cookies_a_proxy_sets_are_kept() -> None:
     finally:
         await runner.cleanup()
     assert seen == [None, "node-2"]
+
+
+# -- refusals: a daemon at its limit ------------------------------------------------------------------
+
+
+_JSON = "application/json"
+_SERVED = ToolResult(call_id="call_0", tool="echo", ok=True, output="served")
+_REFUSALS: list[DaemonError] = [
+    RateLimited("too many requests in flight for this token", retry_after=1, limit=128),
+    ServiceUnavailable("the daemon is busy"),
+]
+# Many more refusals than any test's client will wait through.
+_ALWAYS = 1_000
+
+
+class Busy:
+    """Refuses the first ``refusals`` requests as ``error`` (its status, its wire body and
+    ``Retry-After: retry_after`` when given), then answers as the daemon does."""
+
+    def __init__(self, error: DaemonError, *, refusals: int, retry_after: str | None) -> None:
+        self.status = error.status
+        self.body = ErrorBody(error=error_to_wire(error)).model_dump_json().encode()
+        self.refusals = refusals
+        self.headers = {"Retry-After": retry_after} if retry_after is not None else {}
+        self.seen: list[tuple[str, str]] = []
+        """(method, path) of every request, refused or not."""
+        self.keys: list[str | None] = []
+
+    async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        await request.read()
+        self.seen.append((request.method, request.path))
+        self.keys.append(request.headers.get(IDEMPOTENCY_HEADER))
+        if len(self.seen) <= self.refusals:
+            return aiohttp.web.Response(
+                status=self.status, body=self.body, headers=self.headers, content_type=_JSON
+            )
+        if request.method == "DELETE":
+            return aiohttp.web.Response(status=204)
+        answer: SessionInfo | BatchResponse | ToolResult
+        if request.path == "/v1/sessions":
+            answer = SessionInfo(id="s1", host="local", workspace="/w/s1")
+        elif request.path == "/v1/batch":
+            answer = BatchResponse(results=[_SERVED])
+        else:
+            answer = _SERVED
+        return aiohttp.web.Response(body=answer.model_dump_json().encode(), content_type=_JSON)
+
+    @property
+    def attempts(self) -> int:
+        return len(self.seen)
+
+
+@contextlib.asynccontextmanager
+async def serve(busy: Busy) -> AsyncIterator[str]:
+    app = aiohttp.web.Application()
+    app.router.add_route("*", "/{tail:.*}", busy.handle)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, HOST, 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://{HOST}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("refusal", _REFUSALS, ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("tool_timeout", [None, 5.0])
+async def test_a_call_refused_more_often_than_its_retries_waits_for_a_slot(
+    refusal: DaemonError, tool_timeout: float | None
+) -> None:
+    busy = Busy(refusal, refusals=5, retry_after="0.05")
+    async with serve(busy) as url, Client(url, token="t" * 20, retries=1) as client:
+        with anyio.fail_after(30):  # five waits of at most 0.075 s
+            result = await client.call(("echo", {"value": "x"}), timeout=tool_timeout)
+            results = await client.call_many([("echo", {"value": "x"})], timeout=tool_timeout)
+    assert result.output == "served"
+    assert [r.output for r in results] == ["served"]
+    assert busy.seen == [("POST", "/v1/call")] * 6 + [("POST", "/v1/batch")]
+    assert len(set(busy.keys[:6])) == 1, "every retry carries the call's idempotency key"
+
+
+async def test_a_call_whose_deadline_is_shorter_than_the_retry_after_is_refused_at_once() -> None:
+    refusal = RateLimited("too many requests in flight", retry_after=30, limit=1)
+    busy = Busy(refusal, refusals=_ALWAYS, retry_after="30")
+    async with serve(busy) as url:
+        async with Client(url, token="t" * 20) as client:
+            # A wait of 30 s would overrun the 20 s bound below, with a TimeoutError.
+            with anyio.fail_after(20), pytest.raises(RateLimited) as limited:
+                await client.call(("echo", {"value": "x"}), timeout=1.0)  # waits up to 6 s
+        assert busy.attempts == 1
+        assert limited.value.retry_after == 30
+        assert limited.value.status == 429
+        async with Client(url, token="t" * 20, busy_timeout=10.0) as client:
+            with anyio.fail_after(20), pytest.raises(RateLimited):
+                await client.call(("echo", {"value": "x"}))
+        assert busy.attempts == 2
+
+
+@pytest.mark.parametrize("refusal", _REFUSALS, ids=lambda e: type(e).__name__)
+async def test_refusals_are_retried_until_the_deadline_not_a_number_of_times(
+    refusal: DaemonError,
+) -> None:
+    busy = Busy(refusal, refusals=_ALWAYS, retry_after="0.05")
+    async with serve(busy) as url, Client(url, token="t" * 20, retries=0, busy_timeout=0.5) as c:
+        with anyio.fail_after(20), pytest.raises(type(refusal)):
+            await c.call(("echo", {"value": "x"}))
+    # Each wait is at least the 0.05 s asked for, and all of them end within the 0.5 s.
+    assert 2 <= busy.attempts <= 11, busy.attempts
+
+
+async def test_a_503_without_retry_after_stops_after_the_retries() -> None:
+    busy = Busy(ServiceUnavailable("shutting down"), refusals=_ALWAYS, retry_after=None)
+    async with (
+        serve(busy) as url,
+        Client(url, token="t" * 20, retries=2, backoff=0.01) as client,
+    ):
+        with anyio.fail_after(20), pytest.raises(ServiceUnavailable):
+            await client.call(("echo", {"value": "x"}))
+    assert busy.attempts == 3, "the first attempt and two retries"
+
+
+@pytest.mark.parametrize("status", [502, 504])
+async def test_a_502_or_504_is_never_sent_again(status: int) -> None:
+    busy = Busy(DaemonError("gateway", status=status), refusals=_ALWAYS, retry_after="0")
+    async with serve(busy) as url, Client(url, token="t" * 20, backoff=0.01) as client:
+        with pytest.raises(DaemonError) as failed:
+            await client.call(("echo", {"value": "x"}))
+    assert failed.value.status == status
+    assert busy.attempts == 1
+
+
+async def test_a_post_without_a_key_is_not_sent_again_after_a_refusal() -> None:
+    busy = Busy(_REFUSALS[0], refusals=_ALWAYS, retry_after="0")
+    async with serve(busy) as url, Client(url, token="t" * 20) as client:
+        with pytest.raises(RateLimited):
+            await client._request("POST", "/v1/call", body={"name": "echo", "arguments": {}})
+    assert busy.attempts == 1
+    assert busy.keys == [None]
+
+
+async def test_opening_a_session_waits_for_a_session_slot() -> None:
+    full = TooManySessions("this token has 64 sessions open", limit=64)
+    busy = Busy(full, refusals=3, retry_after="0.05")
+    async with serve(busy) as url, Client(url, token="t" * 20, retries=0) as client:
+        with anyio.fail_after(30):
+            async with client.session() as session:
+                assert session.id == "s1"
+    assert busy.seen == [("POST", "/v1/sessions")] * 4 + [("DELETE", "/v1/sessions/s1")]
+
+
+async def test_too_many_sessions_without_retry_after_is_raised_at_once() -> None:
+    busy = Busy(TooManySessions("full", limit=1), refusals=_ALWAYS, retry_after=None)
+    async with serve(busy) as url, Client(url, token="t" * 20, backoff=0.01) as client:
+        with pytest.raises(TooManySessions):
+            await client.session().open()
+    assert busy.attempts == 1
+
+
+async def test_the_sync_client_waits_for_a_slot_too() -> None:
+    busy = Busy(_REFUSALS[0], refusals=4, retry_after="0.05")
+
+    def run(url: str) -> tuple[ToolResult, str]:
+        with SyncClient(url, token="t" * 20, retries=0) as client:
+            result = client.call(("echo", {"value": "x"}), timeout=5.0)
+            with client.session() as session:
+                return result, session.id
+
+    async with serve(busy) as url:
+        with anyio.fail_after(30):
+            result, session_id = await anyio.to_thread.run_sync(run, url)
+    assert result.output == "served"
+    assert session_id == "s1"
+    assert busy.seen[:5] == [("POST", "/v1/call")] * 5
+    assert busy.seen[5:] == [("POST", "/v1/sessions"), ("DELETE", "/v1/sessions/s1")]

@@ -130,7 +130,8 @@ async def test_the_daemon_forks_a_session_within_the_tokens_session_cap(tmp_path
     registry = ToolRegistry(builtin_tools())
     with run_in_thread(registry, settings, pool=pool) as daemon:
         async with (
-            Client(daemon.url, token=TOKEN, retries=0) as client,
+            # busy_timeout=0: a fork past the cap is raised, not waited on for a slot.
+            Client(daemon.url, token=TOKEN, retries=0, busy_timeout=0) as client,
             client.session() as base,
         ):
             await base.call(("exec", {"command": "echo prepared > state"}))

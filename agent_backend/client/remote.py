@@ -2,7 +2,11 @@
 
 Every call carries an ``Idempotency-Key``; a retry (after a connection error,
 a 429 with ``Retry-After``, or a 503) sends the same key, so the daemon runs
-the call once and hands the retry the first result. Failures come back as
+the call once and hands the retry the first result. A refusal that carries
+``Retry-After`` (the daemon at its limit: 429; busy or restarting: 503) is
+retried for as long as the call may wait, not a number of times: the daemon
+said it did not run the call, and a heavy user's calls should get a slot
+rather than fail while others hold them. Failures come back as
 the same exception classes as in-process (:func:`agent_backend.wire.error_from_wire`),
 and an unreachable daemon as :class:`~agent_backend.errors.BackendUnavailable`:
 aiohttp's exceptions are translated here and never reach the caller.
@@ -13,7 +17,7 @@ loop that uses it; asyncio only, as aiohttp is. Idle connections are kept
 for less than uvicorn's 5 s keep-alive, so a request rarely lands on one the
 daemon is closing; when it does, the request is sent again only when that
 is safe: an idempotent method, or a POST with the key the daemon honours.
-How long to wait between attempts is :func:`agent_backend.retry.retry_delay`.
+How long to wait between attempts is computed in :mod:`agent_backend.retry`.
 
 This module must never retry without the idempotency key, never retry a
 5xx that may have run the call (502, 504), and never import a class a
@@ -25,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, Self
@@ -34,7 +39,12 @@ import orjson
 
 from agent_backend.errors import AgentBackendError, BackendUnavailable, NotFound, PoolClosed
 from agent_backend.lifecycle import AsyncResource
-from agent_backend.retry import RETRY_AFTER_STATUSES, parse_retry_after, retry_delay
+from agent_backend.retry import (
+    RETRY_AFTER_STATUSES,
+    parse_retry_after,
+    retry_after_delay,
+    retry_delay,
+)
 from agent_backend.tokens import find_token
 from agent_backend.wire import (
     API_PREFIX,
@@ -64,6 +74,8 @@ URL_ENV: Final = "AGENT_BACKEND_URL"
 _IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 # Below uvicorn's default keep-alive (5 s): an idle connection is dropped here first.
 _KEEPALIVE = 4.0
+# How late past its timeout the daemon may answer a call: the Dispatcher's backstop_grace (5 s).
+_REPLY_MARGIN: Final = 5.0
 _JSON = "application/json"
 _ROUTES = tuple(
     f"{API_PREFIX}/{route}" for route in ("call", "batch", "sessions", "tools", "health/ready")
@@ -77,6 +89,13 @@ def _dumps(body: object) -> bytes:
         return orjson.dumps(body)
     except orjson.JSONEncodeError:  # integers past 64 bits
         return json.dumps(body).encode()
+
+
+def _resendable(method: str, path: str, key: str | None) -> bool:
+    """Whether a request may be sent again: an idempotent method, or a POST with the key."""
+    return method in _IDEMPOTENT_METHODS or (
+        key is not None and method == "POST" and path.startswith(API_PREFIX + "/")
+    )
 
 
 def _wire_call(call: CallLike, index: int) -> dict[str, Any]:
@@ -105,6 +124,13 @@ class Client(AsyncResource):
     ``token`` to ``$AGENT_BACKEND_TOKEN`` or the daemon's token file on this
     machine. One keep-alive connection pool serves every call; close it with
     ``async with`` or :meth:`aclose`.
+
+    A request the daemon refuses with ``Retry-After`` (too many in flight for the
+    token, too many sessions, busy) is sent again after that wait, with jitter,
+    until ``busy_timeout`` (or a call's ``timeout`` plus 5 s) has passed, however
+    many times that takes; connection errors and a 503 without ``Retry-After``
+    are retried ``retries`` times with backoff. Every retry reuses the call's
+    idempotency key, and a request without one is never sent twice.
     """
 
     def __init__(
@@ -115,23 +141,33 @@ class Client(AsyncResource):
         retries: int = 3,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        busy_timeout: float = 60.0,
         connect_timeout: float = 5.0,
         read_timeout: float | None = 900.0,
         max_connections: int = 100,
     ) -> None:
         """
         Args:
-            retries: attempts after the first, for connection errors, 429 and 503.
-            backoff: seconds before the first retry; doubled each time (with jitter).
-            max_backoff: the longest wait between attempts, a server's ``Retry-After`` included.
+            retries: attempts after the first, for connection errors and for 503 without
+                ``Retry-After``.
+            backoff: seconds before the first of those retries; doubled each time (with jitter).
+            max_backoff: the longest of those waits.
+            busy_timeout: how long a request refused with ``Retry-After`` keeps being sent
+                again, in seconds from its first such refusal (429: the token's limit of
+                requests in flight or of open sessions; 503: the daemon busy or restarting).
+                Each retry waits what the daemon asked times a random factor in [1, 1.5),
+                cut to end at this bound; a refusal that asks for a wait ending past it is
+                raised at once (``RateLimited``, ``TooManySessions``, ``ServiceUnavailable``).
+                ``call`` and ``call_many`` given ``timeout`` wait that timeout plus 5 s
+                instead. 0: never wait.
             connect_timeout: seconds to open a TCP connection to the daemon.
             read_timeout: seconds one attempt may take, from the wait for a free connection
                 to the end of the answer; a call runs up to its tool's timeout, so keep this
                 above the daemon's ``max_timeout``.
             max_connections: connections to the daemon open at once (more calls wait).
         """
-        if retries < 0 or backoff < 0 or max_backoff < 0:
-            raise ValueError("retries, backoff and max_backoff must not be negative")
+        if retries < 0 or backoff < 0 or max_backoff < 0 or busy_timeout < 0:
+            raise ValueError("retries, backoff, max_backoff and busy_timeout must not be negative")
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self.url = (url or os.environ.get(URL_ENV) or DEFAULT_URL).rstrip("/")
@@ -139,6 +175,7 @@ class Client(AsyncResource):
         self.retries = retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.busy_timeout = busy_timeout
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._timeouts = (connect_timeout, read_timeout)
         self._max_connections = max_connections
@@ -218,11 +255,16 @@ class Client(AsyncResource):
         params: Mapping[str, str] | None = None,
         answers: frozenset[int] = frozenset(),
         retries: int | None = None,
+        wait: float | None = None,
     ) -> tuple[int, bytes]:
         """Status and body of the answer, after retries; a refusal raises its error class.
 
-        Statuses in ``answers`` are returned, not raised. One function from the call to
-        the socket: each coroutine level costs on every resumption of a request.
+        Statuses in ``answers`` are returned, not raised. A connection error, or a 503
+        without ``Retry-After``, is retried ``retries`` times (default: the client's) with
+        backoff; a 429 or 503 with ``Retry-After`` for ``wait`` seconds from the first such
+        refusal (default: ``busy_timeout``). One function from the call to the socket: each
+        coroutine level costs on every resumption of a request, and nothing on the way to
+        a success is spent on retries (no clock read, no count looked up).
         """
         http = self._http if self._http is not None and not self._closed else self._session()
         url = self._url(path, params)
@@ -235,10 +277,9 @@ class Client(AsyncResource):
                 headers[IDEMPOTENCY_HEADER] = key
         elif key is not None:
             headers = {IDEMPOTENCY_HEADER: key}
-        retries = self.retries if retries is None else retries
-        attempt = 0
+        counted = 0  # retries after connection errors and 503s without Retry-After
+        deadline: float | None = None  # for refusals with Retry-After: set at the first
         while True:
-            refused: int | None = None  # the status of a refusal worth a retry
             retry_after = None
             try:
                 async with http.request(method, url, data=content, headers=headers) as response:
@@ -247,32 +288,35 @@ class Client(AsyncResource):
                     if status >= 400:
                         retry_after = response.headers.get("Retry-After")
             except self._lost as exc:  # aiohttp's errors end here
-                # A request that may have reached the daemon is sent again only when safe.
-                resendable = method in _IDEMPOTENT_METHODS or (
-                    key is not None and method == "POST" and path.startswith(API_PREFIX + "/")
-                )
-                if attempt >= retries or not resendable:
-                    raise self._unreachable(exc) from None
+                failure: AgentBackendError = self._unreachable(exc)
+                asked = None
             else:
                 if status < 400 or status in answers:
                     return status, answer
-                # 429 without Retry-After (too many sessions) will not clear by waiting.
-                retriable = status in RETRY_AFTER_STATUSES and (
-                    status != 429 or parse_retry_after(retry_after) is not None
-                )
-                if not retriable or attempt >= retries:
-                    raise self._error(status, answer)
-                refused = status
-            attempt += 1
-            await anyio.sleep(
-                retry_delay(
-                    attempt,
-                    first=self.backoff,
-                    ceiling=self.max_backoff,
-                    status=refused,
-                    retry_after=retry_after,
-                )
-            )
+                failure = self._error(status, answer)
+                asked = parse_retry_after(retry_after) if status in RETRY_AFTER_STATUSES else None
+                # Without Retry-After only a 503 is worth a retry: a 429 (too many sessions,
+                # from an older daemon) will not clear by waiting, and a 502 or 504 may have
+                # run the call.
+                if asked is None and status != 503:
+                    raise failure
+            # A request that may have reached the daemon is sent again only when safe.
+            if not _resendable(method, path, key):
+                raise failure
+            if asked is None:
+                if counted >= (self.retries if retries is None else retries):
+                    raise failure
+                counted += 1
+                delay = retry_delay(counted, first=self.backoff, ceiling=self.max_backoff)
+            else:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + (self.busy_timeout if wait is None else wait)
+                # Raised now rather than after a sleep that could only end in another refusal.
+                if now + asked >= deadline:
+                    raise failure
+                delay = retry_after_delay(asked, ceiling=deadline - now)
+            await anyio.sleep(delay)
 
     def _error(self, status: int, answer: bytes) -> AgentBackendError:
         try:
@@ -291,14 +335,23 @@ class Client(AsyncResource):
         session: RemoteSession | None = None,
         idempotency_key: str | None = None,
     ) -> ToolResult:
-        """Run one call on the daemon; model-caused problems are results, the rest raise."""
+        """Run one call on the daemon; model-caused problems are results, the rest raise.
+
+        ``timeout`` is the tool's limit on the daemon; refused while the daemon is at
+        its limit, the call is retried until ``timeout`` plus 5 s from the first refusal
+        (without ``timeout``: the client's ``busy_timeout``), then raises ``RateLimited``.
+        """
         body = _wire_call(call, 0)
         if timeout is not None:
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
         _, answer = await self._request(
-            "POST", f"{API_PREFIX}/call", body=body, key=idempotency_key or uuid.uuid4().hex
+            "POST",
+            f"{API_PREFIX}/call",
+            body=body,
+            key=idempotency_key or uuid.uuid4().hex,
+            wait=None if timeout is None else timeout + _REPLY_MARGIN,
         )
         return ToolResult.model_validate_json(answer)
 
@@ -310,14 +363,21 @@ class Client(AsyncResource):
         session: RemoteSession | None = None,
         idempotency_key: str | None = None,
     ) -> list[ToolResult]:
-        """Run independent calls concurrently on the daemon; results in call order."""
+        """Run independent calls concurrently on the daemon; results in call order.
+
+        Refusals are retried as for :meth:`call`, the batch as one request.
+        """
         body: dict[str, Any] = {"calls": [_wire_call(c, i) for i, c in enumerate(calls)]}
         if timeout is not None:
             body["timeout"] = timeout
         if session is not None:
             body["session"] = session._require_open()
         _, answer = await self._request(
-            "POST", f"{API_PREFIX}/batch", body=body, key=idempotency_key or uuid.uuid4().hex
+            "POST",
+            f"{API_PREFIX}/batch",
+            body=body,
+            key=idempotency_key or uuid.uuid4().hex,
+            wait=None if timeout is None else timeout + _REPLY_MARGIN,
         )
         return BatchResponse.model_validate_json(answer).results
 
@@ -333,7 +393,7 @@ class Client(AsyncResource):
     async def ready(self) -> Readiness:
         """The daemon's readiness (not an error when it is not ready)."""
         _, answer = await self._request(
-            "GET", f"{API_PREFIX}/health/ready", answers=frozenset({503}), retries=0
+            "GET", f"{API_PREFIX}/health/ready", answers=frozenset({503}), retries=0, wait=0.0
         )
         return Readiness.model_validate_json(answer)
 

@@ -27,6 +27,9 @@ class SyncClient(SyncResource):
     """:class:`Client` for code without an event loop; its loop runs on a private thread.
 
     ``with SyncClient(url) as client: client.call(("exec", {"command": "ls"}))``.
+    ``options`` are :class:`Client`'s, and so is what a call does when the daemon is at
+    its limit: a refusal with ``Retry-After`` is waited on (the caller's thread blocks)
+    until ``busy_timeout``, or the call's ``timeout`` plus 5 s, then raised.
     """
 
     def __init__(self, url: str | None = None, **options: Any) -> None:

@@ -12,7 +12,13 @@ Shutdown, on SIGTERM or SIGINT (or :meth:`DaemonServer.request_shutdown`):
 
 The process then exits 0: a signal asked for this, and it was done. (uvicorn
 re-raises the signal after a graceful exit; :class:`_UvicornServer` does not.)
-A second SIGINT skips the wait. This module must never return while a
+A second SIGINT skips the wait.
+
+At start the soft open-files limit is raised to the hard one, and the
+connection cap defaults to three quarters of it (:mod:`.transport` enforces
+it); ``socket.accept()`` failing for want of descriptors is counted in the
+refusal summary instead of logged with a traceback per accept. This module
+must never return while a
 request task it started is still running, unless that task ignores
 cancellation past a bounded wait (logged).
 """
@@ -21,12 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import resource
 import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -34,17 +43,52 @@ import uvicorn
 
 from agent_backend.daemon.app import DaemonState, create_app
 from agent_backend.daemon.settings import DaemonSettings
-from agent_backend.daemon.transport import CoalescingHTTPProtocol
+from agent_backend.daemon.transport import (
+    CoalescingHTTPProtocol,
+    ConnectionGuard,
+    ConnectionLimits,
+    RefusalLog,
+)
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import ConfigError
 from agent_backend.tokens import is_loopback
 
-__all__ = ["DaemonServer", "bind_socket"]
+__all__ = ["DaemonServer", "bind_socket", "default_max_connections", "raise_open_files_limit"]
 
 logger = logging.getLogger("agent_backend.daemon")
 
 # How long cancelled request tasks may take to unwind (their processes are being killed).
 _UNWIND_SECONDS = 15.0
+
+
+# The soft limit asked for when the hard one is unlimited.
+_UNLIMITED_NOFILE = 1 << 20
+# What asyncio's accept loop logs when accept() fails for want of descriptors or memory.
+_ACCEPT_FAILED = "socket.accept() out of system resource"
+
+
+def raise_open_files_limit() -> int:
+    """Raise the soft ``RLIMIT_NOFILE`` as far as the hard limit allows; the soft limit after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _UNLIMITED_NOFILE if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning(
+                "could not raise the open-files limit from %d to %d: %s", soft, target, exc
+            )
+    if soft == resource.RLIM_INFINITY:
+        soft = _UNLIMITED_NOFILE
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    logger.info("open-files limit: %d (hard limit %s)", soft, hard_text)
+    return soft
+
+
+def default_max_connections(open_files: int) -> int:
+    """The connection cap for ``open_files`` descriptors: a quarter is left to the pools."""
+    return max(16, open_files * 3 // 4)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -137,12 +181,15 @@ class DaemonServer:
             log_config=None,
             log_level=log_level,
             access_log=False,
-            # uvicorn types it int but uses it as asyncio.wait_for's (float) timeout.
+            # uvicorn types these int but uses them as (float) delays.
             timeout_graceful_shutdown=settings.grace,  # type: ignore[arg-type]
+            timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
             server_header=False,
             http=CoalescingHTTPProtocol,
         )
         self._server = _UvicornServer(config, state=self.state, handle_signals=handle_signals)
+        self.refusals = RefusalLog()
+        """Connections refused or cut before reaching the app, counted per reason."""
         self.port: int | None = None
         self.address: tuple[str, int] | None = None
         """The address the daemon listens on, once it does."""
@@ -169,6 +216,20 @@ class DaemonServer:
         self, *, task_status: anyio.abc.TaskStatus[str] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Listen until shut down; ``task_status.started(url)`` once accepting connections."""
+        settings = self.settings
+        open_files = raise_open_files_limit()
+        limits = ConnectionLimits(
+            max_head_bytes=settings.max_head_bytes,
+            head_timeout=settings.head_timeout,
+            body_timeout=settings.body_timeout,
+            max_connections=settings.max_connections or default_max_connections(open_files),
+            retry_after=settings.retry_after,
+        )
+        logger.info("at most %d open connections", limits.max_connections)
+        guard = ConnectionGuard(limits, log=self.refusals)
+        self._server.config.http = CoalescingHTTPProtocol.bounded(guard)
+        # Only under uvicorn's pure-Python fallback (no httptools): its own bound, answered 400.
+        self._server.config.h11_max_incomplete_event_size = settings.max_head_bytes
         sock = bind_socket(self.settings.host, self.settings.port)
         self.address = sock.getsockname()[:2]
         self.port = sock.getsockname()[1]
@@ -181,12 +242,37 @@ class DaemonServer:
 
         self._server.on_started = on_started
         try:
-            await self._server.serve(sockets=[sock])
+            with self._accept_failures_counted():
+                await self._server.serve(sockets=[sock])
         finally:
             sock.close()
+            self.refusals.close()
             await self._wait_request_tasks()
         if not started:
             raise ConfigError("the daemon did not start (see the log)", key="", expected="")
+
+    @contextlib.contextmanager
+    def _accept_failures_counted(self) -> Iterator[None]:
+        """Count asyncio's accept failures (EMFILE...) in the refusal summary, not as tracebacks."""
+        loop = asyncio.get_running_loop()
+        previous = loop.get_exception_handler()
+
+        def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            exc = context.get("exception")
+            if context.get("message") == _ACCEPT_FAILED and isinstance(exc, OSError):
+                name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+                self.refusals.note(f"accept() failed: {name}, retried in 1 s")
+            elif previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+
+        loop.set_exception_handler(handle)
+        try:
+            yield
+        finally:
+            if loop.get_exception_handler() is handle:
+                loop.set_exception_handler(previous)
 
     async def _wait_request_tasks(self) -> None:
         # uvicorn cancels them after the grace period but does not wait for them to end.

@@ -91,7 +91,7 @@ test: test-envs-and-lint
 # Benchmarks print figures side by side with their baselines; they are not part of `make test`.
 # Each prints its figures side by side with its baseline and PASS/FAIL per target.
 # `make bench` runs them all and fails if any figure is missed; each also runs alone.
-BENCHES := validator_bench schema_bench ssh_bench daemon_bench mcp_bench ray_bench ray_nodes_bench rollout_bench rollout_resume_bench rollout_vllm_bench async_rl_bench parser_bench exec_bench ssh_fleet_bench schema_fuzz sandbox_bench startup_bench
+BENCHES := validator_bench schema_bench ssh_bench daemon_bench mcp_bench ray_bench ray_nodes_bench rollout_bench rollout_resume_bench rollout_vllm_bench async_rl_bench parser_bench exec_bench ssh_fleet_bench schema_fuzz sandbox_bench startup_bench daemon_hostile_bench
 
 bench: $(TRAINERS) system-deps vllm-env
 	$(BIN)/python -m pip install --quiet -e '.[dev,bench,tokens,verl]'

@@ -257,6 +257,8 @@ def _daemon_settings(
     except pydantic.ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         name = str(error["loc"][0]) if error["loc"] else ""
+        if not name:  # between settings (max_timeout under default_timeout)
+            _fail(f"daemon settings: {error['msg']}", code=3)
         option = next((p for p in ctx.command.params if p.name == name), None)
         if name in given and option is not None:
             raise typer.BadParameter(error["msg"], ctx=ctx, param_hint=option.opts[0]) from None
@@ -302,8 +304,53 @@ def serve_command(
     max_concurrent_per_token: Annotated[
         int | None,
         typer.Option(
-            "--max-concurrent", help="Requests one token may have in flight (more get 429)."
+            "--max-concurrent",
+            help="Tool calls one token may have in flight, a batch's each counted (more: 429).",
         ),
+    ] = None,
+    max_batch: Annotated[
+        int | None,
+        typer.Option(help="Most calls in one batch, on /v1/batch and /mcp (more: 422)."),
+    ] = None,
+    max_sessions_per_token: Annotated[
+        int | None,
+        typer.Option("--max-sessions", help="Sessions one token may have open (more: 429)."),
+    ] = None,
+    session_ttl: Annotated[
+        float | None,
+        typer.Option(help="Seconds a session may sit idle before it is closed and removed."),
+    ] = None,
+    default_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a call may run unless its tool or the request says."),
+    ] = None,
+    max_timeout: Annotated[
+        float | None,
+        typer.Option(help="The most seconds a model may ask for with exec's timeout."),
+    ] = None,
+    output_limit: Annotated[
+        int | None,
+        typer.Option(help="Bytes of a call's output kept for the model (head and tail)."),
+    ] = None,
+    keep_alive_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds an idle keep-alive connection stays open."),
+    ] = None,
+    max_head_bytes: Annotated[
+        int | None,
+        typer.Option(help="Largest request line plus headers, before the token (more: 431)."),
+    ] = None,
+    head_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a request's line and headers have to arrive (later: 408)."),
+    ] = None,
+    body_timeout: Annotated[
+        float | None,
+        typer.Option(help="Seconds a request body may go without a byte (longer: 408)."),
+    ] = None,
+    max_connections: Annotated[
+        int | None,
+        typer.Option(help="Most open connections (more: 503); None: 3/4 of the open-files limit."),
     ] = None,
     env_file: Annotated[
         Path | None,
@@ -337,6 +384,17 @@ def serve_command(
             port=port,
             grace=grace,
             max_concurrent_per_token=max_concurrent_per_token,
+            max_batch=max_batch,
+            max_sessions_per_token=max_sessions_per_token,
+            session_ttl=session_ttl,
+            default_timeout=default_timeout,
+            max_timeout=max_timeout,
+            output_limit=output_limit,
+            keep_alive_timeout=keep_alive_timeout,
+            max_head_bytes=max_head_bytes,
+            head_timeout=head_timeout,
+            body_timeout=body_timeout,
+            max_connections=max_connections,
         )
         pools = load_pools(pool, isolation=_tier(isolation))
     except AgentBackendError as exc:
@@ -351,7 +409,8 @@ def serve_command(
         )
 
     async def main() -> None:
-        async with pools, Dispatcher(registry, **pools.dispatcher_options()) as dispatcher:
+        options = {**pools.dispatcher_options(), **settings.dispatcher_options()}
+        async with pools, Dispatcher(registry, **options) as dispatcher:
             server = DaemonServer(
                 dispatcher, settings, token_explicit=explicit, log_level=log_level
             )

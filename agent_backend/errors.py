@@ -20,7 +20,8 @@ Two audiences, kept apart:
     ├── ConfigError                  a bad pool/config file (file, key, expected)
     ├── PoolError                    a pool used wrongly
     │   ├── LeaseError               release with a stale or foreign owner token
-    │   └── PoolClosed               use after aclose()/stop()
+    │   ├── PoolClosed               use after aclose()/stop()
+    │   └── PoolBusy                 a session holds its most calls at once; retry (429 on the daemon)
     ├── BackendError                 the place a tool runs failed (backend, host, pool)
     │   ├── BackendUnavailable       cannot reach / start the backend
     │   │   └── SandboxUnavailable   the walls a pool asks for cannot be had here (missing)
@@ -37,7 +38,7 @@ Two audiences, kept apart:
     │   ├── RequestTooLarge          413: the body or one call's arguments are over the limit
     │   ├── InvalidRequest           422: the body is not JSON or does not match the route
     │   ├── RateLimited              429: too many requests in flight for this token
-    │   ├── TooManySessions          429: too many open sessions for this token
+    │   ├── TooManySessions          429: too many open sessions for this token (retry_after)
     │   └── ServiceUnavailable       503: the daemon is shutting down or not ready
     └── RolloutError                 the rollout layer failed (not one tool call)
         ├── PolicyError              the policy server failed or answered unusably (status)
@@ -77,6 +78,7 @@ __all__ = [
     "PathOutsideWorkspace",
     "PayloadLost",
     "PolicyError",
+    "PoolBusy",
     "PoolClosed",
     "PoolError",
     "RateLimited",
@@ -303,6 +305,24 @@ class LeaseError(PoolError):
 
 class PoolClosed(PoolError):
     """The pool (or session) was used after ``aclose()``/``stop()`` began."""
+
+
+class PoolBusy(PoolError):
+    """A session (or another pooled resource) holds as many calls as it may at once.
+
+    Overload, not misuse: nothing ran, and the same call may succeed once some
+    of those in flight have ended, after about ``retry_after`` seconds. The
+    daemon answers it with 429 and ``Retry-After``; over MCP it is an
+    ``isError`` result saying so. ``limit`` is the most it holds at once.
+    """
+
+    limit: int
+    retry_after: float
+
+    def __init__(self, message: str, *, limit: int = 0, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after = retry_after
 
 
 class BackendError(AgentBackendError):
@@ -626,14 +646,27 @@ class RateLimited(DaemonError):
 
 
 class TooManySessions(DaemonError):
-    """This token has as many sessions open as the daemon allows; close one first (429)."""
+    """This token has as many sessions open as the daemon allows (429).
+
+    Close one, or wait: a session idle past the daemon's ``session_ttl`` is
+    reaped. ``retry_after`` is the ``Retry-After`` the daemon sent with it.
+    """
 
     default_status = 429
     limit: int
+    retry_after: float
 
-    def __init__(self, message: str, *, limit: int = 0, status: int | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: int = 0,
+        retry_after: float = 1.0,
+        status: int | None = None,
+    ) -> None:
         super().__init__(message, status=status)
         self.limit = limit
+        self.retry_after = retry_after
 
 
 class ServiceUnavailable(DaemonError):

@@ -230,7 +230,8 @@ class BatchRequest(_Model):
     """``POST /v1/batch``: run independent calls concurrently; results in call order."""
 
     calls: list[WireCall]
-    """The calls; at most the daemon's ``max_batch``."""
+    """The calls; at most the daemon's ``max_batch``. Each holds one of the token's
+    ``max_concurrent_per_token`` slots while the batch runs."""
     timeout: _Timeout | None = None
     """Seconds each tool may run; default: each tool's own, or the daemon's."""
     session: _SessionId | None = None

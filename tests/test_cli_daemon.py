@@ -162,6 +162,13 @@ def test_serve_help_shows_the_defaults_the_settings_hold() -> None:
         ("port", "--port"),
         ("grace", "--grace"),
         ("max_concurrent_per_token", "--max-concurrent"),
+        ("max_batch", "--max-batch"),
+        ("max_sessions_per_token", "--max-sessions"),
+        ("session_ttl", "--session-ttl"),
+        ("default_timeout", "--default-timeout"),
+        ("max_timeout", "--max-timeout"),
+        ("output_limit", "--output-limit"),
+        ("keep_alive_timeout", "--keep-alive-timeout"),
     ]:
         default = DaemonSettings.model_fields[name].default
         assert re.search(
@@ -194,6 +201,9 @@ def test_serve_refuses_bad_settings_naming_where_they_came_from(
     assert variable.exit_code == 3
     assert "$AGENT_BACKEND_GRACE" in variable.stderr
     monkeypatch.delenv("AGENT_BACKEND_GRACE")
+    crossed = runner.invoke(app, ["serve", "--default-timeout", "10", "--max-timeout", "5"])
+    assert crossed.exit_code == 3
+    assert "max_timeout (5) must be at least default_timeout (10)" in crossed.stderr
     env_file = tmp_path / "daemon.env"
     env_file.write_text("AGENT_BACKEND_PROT=9000\n")
     typo = runner.invoke(app, ["serve", "--env-file", str(env_file)])

@@ -169,14 +169,18 @@ async def test_concurrency_over_the_limit_is_429_with_retry_after() -> None:
     assert after.status_code == 200, "the slots were not given back"
 
 
-def test_too_many_sessions_is_429_without_retry_after() -> None:
-    with start_daemon(max_sessions_per_token=2, mcp=False) as small, small.http() as http:
+def test_too_many_sessions_is_429_with_retry_after() -> None:
+    with (
+        start_daemon(max_sessions_per_token=2, retry_after=2, mcp=False) as small,
+        small.http() as http,
+    ):
         first = http.post("/v1/sessions").json()["id"]
         http.post("/v1/sessions")
         refused = http.post("/v1/sessions")
         assert refused.status_code == 429
         assert refused.json()["error"]["type"] == "TooManySessions"
-        assert "retry-after" not in refused.headers
+        assert refused.json()["error"]["fields"] == {"status": 429, "limit": 2, "retry_after": 2.0}
+        assert refused.headers["retry-after"] == "2"
         assert http.delete(f"/v1/sessions/{first}").status_code == 204
         assert http.post("/v1/sessions").status_code == 201
 

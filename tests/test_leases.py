@@ -15,7 +15,7 @@ from hypothesis.stateful import (
 )
 
 from agent_backend.dispatch.leases import Lease, LeaseStats, LeaseTable
-from agent_backend.errors import LeaseError, PoolClosed, PoolError
+from agent_backend.errors import LeaseError, PoolBusy, PoolClosed, PoolError
 
 
 class Clock:
@@ -199,10 +199,14 @@ def test_acquire_on_pins_and_respects_capacity() -> None:
     table.add(b, capacity=1)
     lease = table.acquire_on(b, object())
     assert lease.resource is b
-    with pytest.raises(PoolError):
+    with pytest.raises(PoolBusy) as busy:  # overload, not misuse: a caller may retry
         table.acquire_on(b, object())
-    with pytest.raises(PoolError):
+    assert busy.value.limit == 1
+    with pytest.raises(PoolError) as missing:
         table.acquire_on(Res("c"), object())
+    # What callers see names no resource's repr (a session's holds its workspace path).
+    for error in (busy.value, missing.value):
+        assert "Res(" not in str(error)
 
 
 def test_set_capacity_lowers_future_grants() -> None:

@@ -57,6 +57,7 @@ ERROR_SAMPLES = [
     errors.ConfigError("bad key", file="pools/x.toml", key="hosts.0.port", expected="an integer"),
     errors.LeaseError("stale token"),
     errors.PoolClosed("closed"),
+    errors.PoolBusy("this session already has 1024 calls in flight", limit=1024, retry_after=1.0),
     errors.BackendUnavailable("down", backend="ssh", host="h:22"),
     errors.SandboxUnavailable("no walls", missing=["bubblewrap (apt-get install bubblewrap)"]),
     errors.WorkerLost("lost", worker="conn-1", cause="EOF", backend="ssh", host="h:22"),
@@ -85,7 +86,7 @@ ERROR_SAMPLES = [
         "body.name: Field required", issues=[{"loc": ["body", "name"], "msg": "Field required"}]
     ),
     errors.RateLimited("128 requests in flight", retry_after=2.0, limit=128),
-    errors.TooManySessions("64 sessions open", limit=64),
+    errors.TooManySessions("64 sessions open", limit=64, retry_after=2.0),
     errors.ServiceUnavailable("the daemon is shutting down"),
 ]
 

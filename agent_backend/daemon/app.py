@@ -52,7 +52,13 @@ from agent_backend.daemon.errors import (
     validation_error,
 )
 from agent_backend.daemon.idempotency import Idempotency, IdempotencyStore
-from agent_backend.daemon.limits import BODY_KEY, BodyLimit, ConcurrencyLimit, InFlight
+from agent_backend.daemon.limits import (
+    BODY_KEY,
+    BodyLimit,
+    ConcurrencyLimit,
+    InFlight,
+    check_batch_size,
+)
 from agent_backend.daemon.mcp_http import JsonRpcRefusals, McpEndpoint, loopback_guard, mount
 from agent_backend.daemon.mcp_sessions import McpSessions
 from agent_backend.daemon.metrics import CONTENT_TYPE, Metrics
@@ -89,7 +95,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         409: "The Idempotency-Key was used for a different request.",
         413: "The body, or one call's arguments, is too large.",
         422: "The body is not JSON or does not match the schema.",
-        429: "Too many requests in flight for this token (see Retry-After).",
+        429: "This token has too many calls in flight (each call of a batch counts), or too "
+        "many sessions open; retry after Retry-After seconds.",
         503: "The daemon is shutting down, or a backend is unavailable.",
     }.items()
 }
@@ -139,12 +146,14 @@ class _Routes:
         state: DaemonState,
         metrics: Metrics,
         sessions: SessionTable,
+        in_flight: InFlight,
     ) -> None:
         self.dispatcher = dispatcher
         self.settings = settings
         self.state = state
         self.metrics = metrics
         self.sessions = sessions
+        self.in_flight = in_flight
 
     def _check_arguments(self, scope: Scope, calls: list[WireCall]) -> None:
         limit = self.settings.max_argument_bytes
@@ -177,25 +186,25 @@ class _Routes:
         return result.__pydantic_serializer__.to_json(result)
 
     async def batch(self, scope: Scope, body: BatchRequest) -> bytes:
-        if len(body.calls) > self.settings.max_batch:
-            raise InvalidRequest(
-                f"a batch has at most {self.settings.max_batch} calls, not {len(body.calls)}",
-                issues=[{"loc": ["body", "calls"], "msg": "too many calls"}],
-            )
+        check_batch_size(len(body.calls), self.settings.max_batch)
         self._check_arguments(scope, body.calls)
         session = self._session(scope, body.session)
         calls = [
             ToolCall(c.id or f"call_{i}", c.name, c.arguments, "mcp", c.error)
             for i, c in enumerate(body.calls)
         ]
-        started = time.perf_counter()
-        try:
-            results = await self.dispatcher.call_many(calls, timeout=body.timeout, session=session)
-        except AgentBackendError as exc:
-            self.metrics.observe_error(
-                calls[0].name if calls else "", exc, time.perf_counter() - started
-            )
-            raise
+        # One slot of the token's concurrency per call, all taken before any runs (or a 429).
+        with self.in_flight.hold(_principal(scope), len(calls)):
+            started = time.perf_counter()
+            try:
+                results = await self.dispatcher.call_many(
+                    calls, timeout=body.timeout, session=session
+                )
+            except AgentBackendError as exc:
+                self.metrics.observe_error(
+                    calls[0].name if calls else "", exc, time.perf_counter() - started
+                )
+                raise
         for result in results:
             self.metrics.observe(result)
         return BatchResponse(results=results).model_dump_json().encode()
@@ -368,13 +377,7 @@ def _guarded(
     """
     return BearerAuth(
         BodyLimit(
-            ConcurrencyLimit(
-                app,
-                limit=settings.max_concurrent_per_token,
-                retry_after=settings.retry_after,
-                draining=lambda: state.draining,
-                in_flight=in_flight,
-            ),
+            ConcurrencyLimit(app, in_flight=in_flight, draining=lambda: state.draining),
             max_bytes=settings.max_body_bytes,
         ),
         tokens=settings.tokens,
@@ -404,6 +407,8 @@ def _mcp_app(
     endpoint = McpEndpoint(
         McpHandlers(dispatcher, observe=observe),
         mcp_sessions,
+        in_flight=in_flight,
+        max_batch=settings.max_batch,
         max_argument_bytes=settings.max_argument_bytes,
         # DNS rebinding protection on loopback, as the mcp package does.
         guard=loopback_guard if is_loopback(settings.host) else None,
@@ -426,7 +431,11 @@ def create_app(
     from agent_backend import __version__
 
     state = state if state is not None else DaemonState()
-    sessions = SessionTable(dispatcher, max_per_token=settings.max_sessions_per_token)
+    sessions = SessionTable(
+        dispatcher,
+        max_per_token=settings.max_sessions_per_token,
+        retry_after=settings.retry_after,
+    )
     store = IdempotencyStore(
         ttl=settings.idempotency_ttl,
         max_entries=settings.idempotency_max_entries,
@@ -444,9 +453,9 @@ def create_app(
             "requests_in_flight": float(in_flight.total()),
         }
 
-    in_flight = InFlight()
+    in_flight = InFlight(limit=settings.max_concurrent_per_token, retry_after=settings.retry_after)
     metrics = Metrics(dispatcher, extra=extra_gauges)
-    routes = _Routes(dispatcher, settings, state, metrics, sessions)
+    routes = _Routes(dispatcher, settings, state, metrics, sessions, in_flight)
     mcp = (
         _mcp_app(
             dispatcher,

@@ -54,6 +54,9 @@ def run_in_thread(
 ) -> Iterator[BackgroundDaemon]:
     """Serve ``registry`` on ``pool`` (a pool file, a pool-set file, or a config) from a thread.
 
+    The dispatcher takes ``settings.dispatcher_options()`` (``session_ttl``, the timeouts,
+    ``output_limit``); ``dispatcher_options`` given here win over them.
+
     Starting waits for the pools' own start, which their settings bound
     (``start_timeout`` of a Ray pool, ``connect_timeout`` of an SSH host);
     ``start_timeout`` here adds an overall bound for callers that want one.
@@ -72,7 +75,9 @@ def run_in_thread(
             async with (
                 pools,
                 Dispatcher(
-                    registry, **pools.dispatcher_options(), **dispatcher_options
+                    registry,
+                    **pools.dispatcher_options(),
+                    **{**settings.dispatcher_options(), **dispatcher_options},
                 ) as dispatcher,
             ):
                 server = DaemonServer(dispatcher, settings, handle_signals=False)

@@ -2,7 +2,9 @@
 
 One table says which HTTP status each error of the tree gets. Client mistakes
 are 4xx and nothing else: a body that does not parse or match is 422, an
-unknown route 404, a closed session 410. Infrastructure failures are 5xx:
+unknown route 404, a closed session 410; a token or a session at its limit
+(calls in flight, sessions open) is 429 with ``Retry-After``, since waiting
+clears it. Infrastructure failures are 5xx:
 a backend that cannot be reached is 503, one that lost a call 502, one that
 did not come back in time 504. A bug is a 500 whose body says nothing of
 the daemon's internals (the traceback goes to the log).
@@ -34,18 +36,21 @@ from agent_backend.errors import (
     MethodNotAllowed,
     ModelFacingError,
     NotFound,
+    PoolBusy,
     PoolClosed,
     RateLimited,
     ResourceUnavailable,
     SchemaError,
     ToolFailed,
     ToolTimeout,
+    TooManySessions,
     clip,
 )
 from agent_backend.wire import ErrorBody, error_to_wire
 
 __all__ = [
     "error_body",
+    "error_headers",
     "error_response",
     "install_exception_handlers",
     "send_error",
@@ -62,6 +67,7 @@ _MAX_ISSUES = 20
 _STATUS: Sequence[tuple[type[AgentBackendError], int]] = (
     (ModelFacingError, 422),
     (PoolClosed, 410),
+    (PoolBusy, 429),
     (ToolTimeout, 504),
     (BackendUnavailable, 503),
     (ResourceUnavailable, 503),
@@ -86,9 +92,14 @@ def error_body(exc: AgentBackendError) -> bytes:
     return ErrorBody(error=error_to_wire(exc)).model_dump_json().encode()
 
 
-def _headers(exc: AgentBackendError) -> dict[str, str]:
+# The refusals that clear by waiting: each carries the seconds to wait, sent as Retry-After.
+_RETRY_AFTER = (RateLimited, TooManySessions, PoolBusy)
+
+
+def error_headers(exc: AgentBackendError) -> dict[str, str]:
+    """The headers ``exc``'s answer carries: ``Retry-After`` (whole seconds), ``WWW-Authenticate``."""
     headers: dict[str, str] = {}
-    if isinstance(exc, RateLimited):
+    if isinstance(exc, _RETRY_AFTER):
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     if status_for(exc) == 401:
         headers["WWW-Authenticate"] = "Bearer"
@@ -100,7 +111,7 @@ def error_response(exc: AgentBackendError) -> Response:
         error_body(exc),
         status_code=status_for(exc),
         media_type="application/json",
-        headers=_headers(exc),
+        headers=error_headers(exc),
     )
 
 
@@ -108,7 +119,7 @@ async def send_error(send: Send, exc: AgentBackendError) -> None:
     """Answer a raw ASGI request with ``exc``'s error body (for middlewares)."""
     body = error_body(exc)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in _headers(exc).items()]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
     await send({"type": "http.response.start", "status": status_for(exc), "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

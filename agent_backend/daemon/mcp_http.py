@@ -22,11 +22,16 @@ A ``tools/call`` is ended, its processes killed, when the client sends
 timeout fires) or disconnects. The methods themselves are
 :class:`~agent_backend.mcp.McpHandlers`', the ones stdio runs.
 
-The daemon's refusals before this endpoint (bearer token, body size,
+``/mcp`` is held to ``/v1``'s limits, counted together: a batch has at
+most ``max_batch`` messages, and holds one of its token's
+``max_concurrent_per_token`` slots per ``tools/call`` in it, all taken
+before any runs (429 with ``Retry-After`` when they are not free, nothing
+run). The daemon's refusals before this endpoint (bearer token, body size,
 per-token concurrency, shutdown) keep their status but answer, on
 ``/mcp``, with a JSON-RPC error body whose message the MCP clients show
 (:class:`JsonRpcRefusals`); so do this endpoint's own (Host/Origin, an
-argument over ``max_argument_bytes``, an unknown session).
+argument over ``max_argument_bytes``, a batch over its limits, an unknown
+session).
 This module must never run a call for a token that does not own its session.
 """
 
@@ -37,6 +42,7 @@ import contextlib
 import http
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
@@ -48,10 +54,16 @@ from mcp_types.version import LATEST_MODERN_VERSION
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_backend.daemon.auth import PRINCIPAL_KEY
-from agent_backend.daemon.errors import status_for
-from agent_backend.daemon.limits import BODY_KEY
+from agent_backend.daemon.errors import error_headers, status_for
+from agent_backend.daemon.limits import BODY_KEY, InFlight, check_batch_size
 from agent_backend.daemon.mcp_sessions import McpSession, McpSessions
-from agent_backend.errors import AgentBackendError, DaemonError, RequestTooLarge, clip
+from agent_backend.errors import (
+    AgentBackendError,
+    DaemonError,
+    InvalidRequest,
+    RequestTooLarge,
+    clip,
+)
 from agent_backend.mcp import SERVED_VERSIONS, JsonRpcError, McpHandlers
 from agent_backend.wire import error_to_wire
 
@@ -69,6 +81,11 @@ MCP_PATH: Final = "/mcp"
 #: The version of a request without a session and without ``MCP-Protocol-Version`` (the spec's).
 _DEFAULT_VERSION: Final = "2025-03-26"
 _BATCH_VERSIONS: Final = frozenset({"2025-03-26"})
+
+# A body larger than this is counted before it is parsed whole (:func:`_array_longer_than`).
+_COUNT_FIRST_BYTES: Final = 64 << 10
+_DECODER: Final = json.JSONDecoder()
+_SPACE: Final = re.compile(r"[ \t\n\r]*")
 
 _JSON_HEADERS: Final = [(b"content-type", b"application/json")]
 _LOOPBACK_NAMES: Final = ("127.0.0.1", "localhost", "[::1]")
@@ -91,7 +108,9 @@ class _Refusal(Exception):
     @classmethod
     def of(cls, exc: AgentBackendError) -> _Refusal:
         status = status_for(exc)
-        return cls(status, _refusal_error(status, str(exc), error_to_wire(exc).model_dump()))
+        error = _refusal_error(status, str(exc), error_to_wire(exc).model_dump())
+        headers = [(k.lower().encode(), v.encode()) for k, v in error_headers(exc).items()]
+        return cls(status, error, headers)
 
 
 def _refusal_error(status: int, message: str, detail: Any = None) -> JsonRpcError:
@@ -180,11 +199,16 @@ class McpEndpoint:
         handlers: McpHandlers,
         sessions: McpSessions,
         *,
+        in_flight: InFlight,
+        max_batch: int,
         max_argument_bytes: int,
         guard: Callable[[Scope], _Refusal | None] | None = None,
     ) -> None:
         self.handlers = handlers
         self.sessions = sessions
+        self.in_flight = in_flight
+        """The daemon's per-token slots: a batch takes one per ``tools/call`` (see above)."""
+        self.max_batch = max_batch
         self.max_argument_bytes = max_argument_bytes
         self.guard = guard
 
@@ -244,8 +268,16 @@ class McpEndpoint:
                 406,
                 _refusal_error(406, "this server answers in application/json; accept it"),
             )
+        body = scope.get(BODY_KEY, b"")
+        if len(body) > _COUNT_FIRST_BYTES and _array_longer_than(body, self.max_batch):
+            raise _Refusal.of(
+                InvalidRequest(
+                    f"a batch has at most {self.max_batch} messages; this one has more",
+                    issues=[{"loc": ["body"], "msg": f"more than {self.max_batch} messages"}],
+                )
+            )
         try:
-            decoded = orjson.loads(scope.get(BODY_KEY, b""))
+            decoded = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
             error = JsonRpcError(types.PARSE_ERROR, f"Parse error: the body is not JSON ({exc})")
             raise _Refusal(400, error) from None
@@ -288,13 +320,24 @@ class McpEndpoint:
                 )
             if not decoded:
                 raise _Refusal(400, JsonRpcError(types.INVALID_REQUEST, "an empty batch"))
+            try:  # as /v1/batch does, before any of its calls is looked at
+                check_batch_size(len(decoded), self.max_batch, unit="messages")
+            except AgentBackendError as exc:
+                raise _Refusal.of(exc) from None
             messages = decoded
         else:
             messages = [decoded]
 
         exchange = _Exchange(self, principal, version, mcp)
         self._check_arguments(scope, messages)
-        replies = await exchange.run(messages, receive)
+        if len(messages) > 1:
+            taken = self._take_slots(principal, messages)
+            try:
+                replies = await exchange.run(messages, receive)
+            finally:
+                self.in_flight.give(principal, taken)
+        else:  # one message: the request's own slot (ConcurrencyLimit) is its call's
+            replies = await exchange.run(messages, receive)
         if exchange.disconnected:
             return  # nobody to answer
         if not replies:
@@ -302,6 +345,15 @@ class McpEndpoint:
             return
         body = orjson.dumps(replies if isinstance(decoded, list) else replies[0])
         await _send(send, 200, body)
+
+    def _take_slots(self, principal: str, messages: list[Any]) -> int:
+        """A slot of the token's concurrency per ``tools/call`` of a batch, all taken now (the
+        request's own is one of them), as ``/v1/batch`` does; how many more were taken."""
+        calls = sum(1 for message in messages if _kind(message) == "request" and _is_call(message))
+        try:
+            return self.in_flight.take(principal, calls, what="a JSON-RPC batch")
+        except AgentBackendError as exc:
+            raise _Refusal.of(exc) from None
 
     def _check_arguments(self, scope: Scope, messages: list[Any]) -> None:
         limit = self.max_argument_bytes
@@ -510,6 +562,39 @@ class _Exchange:
             return _error_message(request.id, bug)
 
 
+def _skip_space(text: str, index: int) -> int:
+    """The index of the first character at or after ``index`` that is not JSON whitespace."""
+    match = _SPACE.match(text, index)
+    return match.end() if match is not None else index
+
+
+def _array_longer_than(body: bytes, limit: int) -> bool:
+    """Whether ``body`` is a JSON array of more than ``limit`` elements, read no further than
+    element ``limit + 1``: a batch of 10,000 messages is refused in the time of 257, not after
+    a whole parse that holds the event loop for tens of ms. False when it is not such an array
+    or the count cannot tell (invalid JSON): the whole parse then decides."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    index = _skip_space(text, 0)
+    if not text.startswith("[", index):
+        return False
+    index = _skip_space(text, index + 1)
+    for count in range(1, limit + 2):
+        try:
+            _, index = _DECODER.raw_decode(text, index)
+        except ValueError:
+            return False
+        if count > limit:
+            return True
+        index = _skip_space(text, index)
+        if not text.startswith(",", index):
+            return False  # the array ended (or is not JSON) within the limit
+        index = _skip_space(text, index + 1)
+    return False  # not reached
+
+
 def _header(scope: Scope, wanted: bytes) -> str | None:
     for name, value in scope["headers"]:
         if name == wanted:
@@ -530,6 +615,10 @@ def _kind(message: Any) -> str:
     if "id" in message and ("result" in message or "error" in message):
         return "response"
     return "invalid"
+
+
+def _is_call(message: dict[str, Any]) -> bool:
+    return message.get("method") == "tools/call"
 
 
 def _is_initialize(decoded: Any) -> bool:

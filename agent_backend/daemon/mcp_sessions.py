@@ -12,7 +12,9 @@ closes it after ``session_ttl`` without a call, and from then on its id is
 A client that sends no ``Mcp-Session-Id`` (a stateless one) is served in
 its token's *stateless session*: one per token, opened at its first call,
 reaped when idle like any other, and opened afresh (an empty workspace)
-on the call after a reap.
+on the call after a reap. It does not count against
+``max_sessions_per_token`` (one per token at most, so still bounded): a
+token whose sessions fill its cap can still make stateless calls.
 
 Each session keeps the cancel scopes of its requests in flight, so that a
 ``notifications/cancelled`` naming one ends it. This module must never
@@ -125,7 +127,8 @@ class McpSessions:
         async with lock:  # one open per token at a time: concurrent first calls share it
             mcp = self._stateless.get(principal)
             if mcp is None or mcp.is_closed():
-                mcp = McpSession("", principal, version, await self.table.open(principal))
+                session = await self.table.open(principal, counted=False)
+                mcp = McpSession("", principal, version, session)
                 self._stateless[principal] = mcp
         return mcp
 

@@ -5,7 +5,10 @@ The one place their defaults live. Each setting can also come from an
 or from a file of such lines (:meth:`DaemonSettings.load`, ``agent-backend
 serve --env-file``); what is given in code (or on the command line) wins over
 the environment, which wins over the file. ``agent-backend serve``'s options
-default to unset and take their defaults from here.
+default to unset and take their defaults from here. The settings a
+:class:`~agent_backend.dispatch.Dispatcher` takes (``session_ttl``, the
+timeouts, ``output_limit``) reach it through :meth:`DaemonSettings.dispatcher_options`
+where ``serve`` (or ``run_in_thread``) builds it.
 
 Frozen data; reading the token from its variable or its file is
 :mod:`agent_backend.tokens`' job, not this module's.
@@ -47,14 +50,35 @@ class DaemonSettings(pydantic_settings.BaseSettings, ConfigModel):
     """Largest request body accepted; larger gets 413."""
     max_argument_bytes: Annotated[int, pydantic.Field(ge=64)] = 256 << 10
     """Largest arguments of one call (as JSON); larger gets 413."""
-    max_concurrent_per_token: Annotated[int, pydantic.Field(ge=1)] = 128
-    """Requests one token may have in flight; more get 429 with Retry-After."""
+    max_concurrent_per_token: Annotated[int, pydantic.Field(ge=1)] = 512
+    """Tool calls one token may have in flight, on every route together: a request holds one
+    slot, a batch one per call (``/v1/batch``, a JSON-RPC batch on ``/mcp``). More get 429 with
+    Retry-After, at once; a batch of more calls than this gets 422. The default fits 256
+    concurrent rollout workers, or two full batches; the pool queues what it cannot run at once
+    (the local pool's ``max_concurrent_calls``)."""
     retry_after: _Positive = 1.0
-    """Seconds a 429 asks the client to wait."""
+    """Seconds a 429 asks the client to wait (Retry-After)."""
     max_batch: Annotated[int, pydantic.Field(ge=1)] = 256
-    """Most calls in one batch."""
-    max_sessions_per_token: Annotated[int, pydantic.Field(ge=1)] = 64
-    """Sessions one token may have open at once."""
+    """Most calls in one batch (``/v1/batch``), or messages in one JSON-RPC batch (``/mcp``);
+    more get 422."""
+    max_sessions_per_token: Annotated[int, pydantic.Field(ge=1)] = 512
+    """Sessions one token may have open at once (``/v1/sessions``, forks, MCP sessions; a
+    token's stateless MCP session is not counted); more get 429 with Retry-After. The default
+    fits 256 concurrent episodes with a session each, twice over, and stays under the default
+    local pool's ``max_sandboxes`` (1024), so a token meets its own cap before the machine's."""
+    session_ttl: _Positive = 600.0
+    """Seconds a session may sit idle (no call in flight) before the reaper closes it and
+    removes its workspace; a client that leaks sessions gets its slots back after this."""
+    default_timeout: _Positive = 60.0
+    """Seconds a call may run unless its tool file or the request says otherwise."""
+    max_timeout: _Positive = 600.0
+    """The most a model may ask for with ``exec``'s ``timeout`` argument (at least
+    ``default_timeout``)."""
+    output_limit: Annotated[int, pydantic.Field(ge=64)] = 16384
+    """Bytes of a call's output kept for the model (its head and tail), unless its tool file
+    says otherwise."""
+    keep_alive_timeout: _Positive = 5.0
+    """Seconds an idle keep-alive connection stays open between requests."""
     idempotency_ttl: _Positive = 600.0
     """Seconds a finished call's response is kept for retries with the same Idempotency-Key."""
     idempotency_max_entries: Annotated[int, pydantic.Field(ge=1)] = 10_000
@@ -63,6 +87,17 @@ class DaemonSettings(pydantic_settings.BaseSettings, ConfigModel):
     """Most bytes of responses kept for retries."""
     grace: _Positive = 10.0
     """On SIGTERM/SIGINT, seconds in-flight requests get to finish before they are cancelled."""
+    max_head_bytes: Annotated[int, pydantic.Field(ge=1024)] = 64 << 10
+    """Largest request line plus headers, checked before the token; larger gets 431 and a close."""
+    head_timeout: _Positive = 10.0
+    """Seconds a request's line and headers have to arrive whole, from the connection (or the
+    next request's first byte); later gets 408 and a close. Each byte does not extend it."""
+    body_timeout: _Positive = 30.0
+    """Seconds a request body may go without a byte arriving; longer gets 408 and a close."""
+    max_connections: Annotated[int, pydantic.Field(ge=1)] | None = None
+    """Most open connections; past it the oldest idle keep-alive one is closed, else the new
+    one gets 503 with Retry-After. None: three quarters of the open-files limit (raised to its
+    hard limit at start), leaving the rest to the pools."""
     mcp: bool = True
     """Serve MCP's streamable HTTP transport at ``/mcp``."""
 
@@ -78,6 +113,26 @@ class DaemonSettings(pydantic_settings.BaseSettings, ConfigModel):
         # pydantic-settings' own argument, not a field: type checkers know only the fields.
         sources: dict[str, Any] = {"_env_file": env_file}
         return cls(**sources, **values)
+
+    def dispatcher_options(self) -> dict[str, Any]:
+        """The keywords of :class:`~agent_backend.dispatch.Dispatcher` these settings give:
+        ``Dispatcher(registry, **pools.dispatcher_options(), **settings.dispatcher_options())``
+        (what ``agent-backend serve`` and ``run_in_thread`` build)."""
+        return {
+            "default_timeout": self.default_timeout,
+            "max_timeout": self.max_timeout,
+            "output_limit": self.output_limit,
+            "session_ttl": self.session_ttl,
+        }
+
+    @pydantic.model_validator(mode="after")
+    def _timeouts_ordered(self) -> DaemonSettings:
+        if self.max_timeout < self.default_timeout:
+            raise ValueError(
+                f"max_timeout ({self.max_timeout:g}) must be at least default_timeout "
+                f"({self.default_timeout:g})"
+            )
+        return self
 
     @pydantic.field_validator("tokens")
     @classmethod

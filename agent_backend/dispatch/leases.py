@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from agent_backend.errors import LeaseError, PoolClosed, PoolError
+from agent_backend.errors import LeaseError, PoolBusy, PoolClosed, PoolError
 
 __all__ = ["Lease", "LeaseStats", "LeaseTable"]
 
@@ -156,12 +156,18 @@ class LeaseTable(Generic[R]):
         return self._grant(best, owner)
 
     def acquire_on(self, resource: R, owner: object) -> Lease[R]:
-        """A lease on this very resource (a session pins its host or workspace)."""
+        """A lease on this very resource (a session pins its host or workspace).
+
+        Raises :class:`PoolBusy` when it holds ``capacity`` leases already.
+        """
         if self._closed:
             raise PoolClosed("lease table is closed")
         entry = self._registered(resource)
         if entry.leases >= entry.capacity:
-            raise PoolError(f"{resource!r} is full ({entry.capacity} leases)")
+            # No repr: what a caller sees of it must not show the resource's internals (paths).
+            raise PoolBusy(
+                f"it holds {entry.capacity} leases, the most it may", limit=entry.capacity
+            )
         return self._grant(entry, owner)
 
     def _grant(self, entry: _Entry[R], owner: object) -> Lease[R]:
@@ -175,7 +181,7 @@ class LeaseTable(Generic[R]):
         found = self._leases.get(lease.token)
         if found is None:
             raise LeaseError(
-                f"lease {lease.token} on {lease.resource!r} is not active "
+                f"lease {lease.token} on a {type(lease.resource).__name__} is not active "
                 "(already released, or never granted by this table)"
             )
         held, entry = found
@@ -287,7 +293,9 @@ class LeaseTable(Generic[R]):
     def _registered(self, resource: R) -> _Entry[R]:
         entry = self._entries.get(id(resource))
         if entry is None or entry.resource is not resource:
-            raise PoolError(f"{resource!r} is not registered")
+            raise PoolError(
+                f"this {type(resource).__name__} is not registered (removed, or never added)"
+            )
         return entry
 
     def __repr__(self) -> str:

@@ -35,7 +35,7 @@ from agent_backend.dispatch.result import ToolResult
 from agent_backend.dispatch.running import CallLike, as_tool_call, gather
 from agent_backend.dispatch.snapshot import Snapshot
 from agent_backend.dispatch.workspaces import SessionWorkspaces
-from agent_backend.errors import PoolClosed, PoolError
+from agent_backend.errors import PoolBusy, PoolClosed, PoolError
 from agent_backend.lifecycle import AsyncResource
 from agent_backend.tools import ToolCall
 
@@ -44,8 +44,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Session", "SessionSupport", "close_sessions"]
 
-# Calls one session may have in flight at once (a guard, not a tuning knob).
+# Calls one session may have in flight at once (a guard, not a tuning knob). Past it a call
+# is refused with PoolBusy, which asks the caller to retry after this many seconds.
 _SESSION_CAPACITY = 1024
+_BUSY_RETRY_AFTER = 1.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,7 +262,11 @@ class Session(AsyncResource):
         *,
         timeout: float | None = None,  # noqa: ASYNC109 - the tool's limit, as in Dispatcher.call
     ) -> ToolResult:
-        """Run one call in this session's workspace, on its host."""
+        """Run one call in this session's workspace, on its host.
+
+        Raises :class:`~agent_backend.errors.PoolBusy` (nothing run) when the session
+        already has 1024 calls in flight; retry after its ``retry_after``.
+        """
         return await self._call(as_tool_call(call), timeout)
 
     async def call_many(
@@ -281,7 +287,17 @@ class Session(AsyncResource):
         if self._state != "open":
             raise self._refusal()
         sessions = self._support.sessions
-        lease = sessions.acquire_on(self, object())
+        try:
+            lease = sessions.acquire_on(self, object())
+        except PoolBusy as full:
+            # What the caller (and, over MCP, the model) reads: no repr, no workspace path.
+            raise PoolBusy(
+                f"this session already has {full.limit} calls in flight, the most one session "
+                f"may hold; nothing was run: retry in {_BUSY_RETRY_AFTER:g} s, when some have "
+                "finished",
+                limit=full.limit,
+                retry_after=_BUSY_RETRY_AFTER,
+            ) from None
         try:
             with anyio.CancelScope() as scope:
                 self._calls.add(scope)

@@ -31,7 +31,7 @@ from mcp_types import methods as mcp_methods
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS, LATEST_HANDSHAKE_VERSION
 
 from agent_backend.dispatch import Dispatcher, Session, ToolResult
-from agent_backend.errors import AgentBackendError, clip
+from agent_backend.errors import AgentBackendError, PoolBusy, clip
 from agent_backend.mcp.results import error_wire, result_wire
 from agent_backend.tools import ToolCall
 
@@ -139,7 +139,10 @@ class McpHandlers:
         try:
             result = await self.dispatcher.call(call, session=session)
         except AgentBackendError as exc:
-            logger.warning("MCP call %r failed: %s: %s", name, type(exc).__name__, exc)
+            # Overload is the caller's to retry (the result says so), not the operator's to read
+            # once per call: counted in the metrics (observe), logged at DEBUG.
+            level = logging.DEBUG if isinstance(exc, PoolBusy) else logging.WARNING
+            logger.log(level, "MCP call %r failed: %s: %s", name, type(exc).__name__, exc)
             if self.observe is not None:
                 self.observe(name, exc, time.perf_counter() - started)
             return error_wire(exc)

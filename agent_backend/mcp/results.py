@@ -28,7 +28,7 @@ from typing import Any, Final
 import mcp_types as types
 
 from agent_backend.dispatch import ToolResult
-from agent_backend.errors import MODEL_MESSAGE_LIMIT, AgentBackendError, clip
+from agent_backend.errors import MODEL_MESSAGE_LIMIT, AgentBackendError, PoolBusy, clip
 
 __all__ = ["RESULT_META_KEY", "call_result", "error_result", "error_wire", "result_wire"]
 
@@ -57,7 +57,9 @@ def result_wire(result: ToolResult) -> dict[str, Any]:
 def error_wire(exc: AgentBackendError) -> dict[str, Any]:
     """An infrastructure failure (a host down, a closed session) as an ``isError`` result."""
     text = clip(f"Error: {type(exc).__name__}: {exc}", MODEL_MESSAGE_LIMIT)
-    facts = {"ok": False, "exit_status": None, "error_type": type(exc).__name__}
+    facts: dict[str, Any] = {"ok": False, "exit_status": None, "error_type": type(exc).__name__}
+    if isinstance(exc, PoolBusy):  # overload: the same call may succeed after this many seconds
+        facts["retry_after"] = exc.retry_after
     return {
         "content": [{"type": "text", "text": text}],
         "isError": True,

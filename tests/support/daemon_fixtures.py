@@ -87,12 +87,17 @@ class Daemon:
 
 
 @contextlib.contextmanager
-def start_daemon(*, session_ttl: float = 60.0, **settings: Any) -> Iterator[Daemon]:
-    """A daemon with ``settings`` over the defaults (port 0, both test tokens)."""
-    options: dict[str, Any] = {"tokens": (TOKEN, OTHER_TOKEN), "port": 0, "grace": 2.0}
+def start_daemon(**settings: Any) -> Iterator[Daemon]:
+    """A daemon with ``settings`` over the defaults (port 0, both test tokens, a 60 s TTL)."""
+    options: dict[str, Any] = {
+        "tokens": (TOKEN, OTHER_TOKEN),
+        "port": 0,
+        "grace": 2.0,
+        "session_ttl": 60.0,
+    }
     options.update(settings)
     registry = make_registry()
-    with run_in_thread(registry, DaemonSettings(**options), session_ttl=session_ttl) as running:
+    with run_in_thread(registry, DaemonSettings(**options)) as running:
         yield Daemon(running.url, TOKEN, running.server)
 
 

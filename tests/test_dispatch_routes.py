@@ -46,7 +46,7 @@ from agent_backend.pool_file import PoolSetConfig
 from agent_backend.sandbox import SandboxLimits
 from agent_backend.tools import Tool, ToolRegistry
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 policy_server = policy_server_fixture
 __all__ = ["ray_cluster"]  # a fixture, used by name
 

@@ -26,7 +26,7 @@ from agent_backend.daemon.background import run_in_thread  # noqa: E402
 from agent_backend.dispatch import builtin_tools  # noqa: E402
 from agent_backend.errors import ConfigError, PoolError, WorkerLost  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
 
 TOOLS = (

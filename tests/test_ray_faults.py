@@ -28,7 +28,7 @@ from agent_backend.errors import (  # noqa: E402
     WorkerLost,
 )
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
 
 

@@ -30,7 +30,7 @@ from agent_backend.backends.ray.payload import (  # noqa: E402
 )
 from agent_backend.errors import PayloadLost  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
 
 MB = 1024 * 1024

@@ -14,15 +14,11 @@ state, bounded generously.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import re
-import resource
 import selectors
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.daemon_fixtures import OTHER_TOKEN, TOKEN, make_registry
-from support.ports import unused_port
+from support.serve_child import Child, closed_by_peer, serve_child
 
 from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.pool_file import DEFAULT_POOL, with_isolation
@@ -39,73 +35,15 @@ from agent_backend.pool_file import DEFAULT_POOL, with_isolation
 pytestmark = pytest.mark.timeout(120)
 
 NOFILE = 256
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclasses.dataclass
-class Child:
-    url: str
-    port: int
-    process: subprocess.Popen[str]
-    log: Path
-
-    def fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.process.pid}/fd"))
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
-def _serve_command() -> list[str]:
-    script = Path(sys.executable).with_name("agent-backend")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "agent_backend.cli"]
-
-
-def _low_nofile() -> None:  # runs in the child, before exec
-    resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
 
 
 @contextlib.contextmanager
 def serve(tmp_path: Path, **settings: object) -> Iterator[Child]:
     """``agent-backend serve`` with ``settings`` (as AGENT_BACKEND_<NAME>) and 256 descriptors."""
-    port = unused_port()
-    env = {
-        **os.environ,
-        "AGENT_BACKEND_TOKEN": TOKEN,
-        "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
-        "AGENT_BACKEND_PORT": str(port),
-        **{f"AGENT_BACKEND_{name.upper()}": str(value) for name, value in settings.items()},
-        # The code under test, wherever the installed script points.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    log = tmp_path / "daemon.log"
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            # No walls: their trial sandbox raises its own limits past the 256 given here.
-            [*_serve_command(), "serve", "--isolation", "none", "--log-level", "info"],
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            env=env,
-            preexec_fn=_low_nofile,
-        )
-    assert process.stdout is not None
-    try:
-        line = process.stdout.readline()
-        while line and not line.startswith("stop:"):
-            line = process.stdout.readline()
-        assert line, log.read_text()
-        threading.Thread(target=process.stdout.read, daemon=True).start()
-        yield Child(f"http://127.0.0.1:{port}", port, process, log)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-            process.stdout.close()
+    env = {f"AGENT_BACKEND_{name.upper()}": str(value) for name, value in settings.items()}
+    # No walls: their trial sandbox raises its own limits past the 256 given here.
+    with serve_child(tmp_path, "--log-level", "info", env=env, nofile=NOFILE) as child:
+        yield child
 
 
 def wait_until(condition: Callable[[], bool], *, within: float, what: str) -> None:
@@ -152,16 +90,6 @@ def read_response(sock: socket.socket, *, within: float) -> bytes:
         while chunk := sock.recv(65536):
             received += chunk
     return received
-
-
-def closed_by_peer(sock: socket.socket, *, within: float) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except OSError:
-        return True
 
 
 HEAD = b"GET /v1/tools HTTP/1.1\r\nHost: 127.0.0.1\r\n"

@@ -18,12 +18,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import pickle
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -35,7 +32,7 @@ import anyio
 import httpx
 import pytest
 from support.daemon_fixtures import OTHER_TOKEN, TALLY, TOKEN, Daemon, make_registry
-from support.ports import unused_port
+from support.serve_child import closed_by_peer, serve_child
 
 import agent_backend.dispatch.session as session_module
 from agent_backend.daemon import DaemonSettings, run_in_thread
@@ -56,7 +53,6 @@ MCP_BATCH = {
     "Accept": "application/json, text/event-stream",
     "MCP-Protocol-Version": "2025-03-26",
 }
-ROOT = Path(__file__).resolve().parents[1]
 #: No walls: these tests are about the daemon's limits, and a walled workspace costs more.
 UNWALLED = with_isolation(DEFAULT_POOL, "none")
 
@@ -455,60 +451,6 @@ async def test_session_ttl_from_the_environment_reaps_an_idle_session(
             assert long.json()["truncated"] is True
 
 
-def _serve_command() -> list[str]:
-    script = Path(sys.executable).with_name("agent-backend")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "agent_backend.cli"]
-
-
-@contextlib.contextmanager
-def _serve(tmp_path: Path, *options: str) -> Iterator[str]:
-    """``agent-backend serve OPTIONS`` in a child process, unwalled; its URL."""
-    port = unused_port()
-    env = {
-        **os.environ,
-        "AGENT_BACKEND_TOKEN": TOKEN,
-        "XDG_CONFIG_HOME": str(tmp_path / "cfg"),
-        # The code under test, wherever the installed script points.
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    log = tmp_path / "daemon.log"
-    with log.open("w") as log_file:
-        process = subprocess.Popen(
-            [*_serve_command(), "serve", "--isolation", "none", "--port", str(port), *options],
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            text=True,
-            env=env,
-        )
-    assert process.stdout is not None
-    try:
-        line = process.stdout.readline()
-        while line and not line.startswith("stop:"):
-            line = process.stdout.readline()
-        assert line, log.read_text()
-        threading.Thread(target=process.stdout.read, daemon=True).start()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            assert process.wait(timeout=30) == 0
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
-            process.stdout.close()
-
-
-def _closed_by_peer(sock: socket.socket, *, within: float) -> bool:
-    sock.settimeout(within)
-    try:
-        return sock.recv(1) == b""
-    except TimeoutError:
-        return False
-    except OSError:
-        return True
-
-
 @pytest.mark.timeout(180)
 def test_serve_options_reach_the_dispatcher_and_uvicorn(tmp_path: Path) -> None:
     """``agent-backend serve``'s options, each seen where it acts."""
@@ -522,7 +464,8 @@ def test_serve_options_reach_the_dispatcher_and_uvicorn(tmp_path: Path) -> None:
         "--max-batch", "8",
         "--max-concurrent", "3",
     ]  # fmt: skip
-    with _serve(tmp_path, *options) as url:
+    with serve_child(tmp_path, *options, exits_cleanly=True) as child:
+        url = child.url
         headers = {"Authorization": f"Bearer {TOKEN}"}
         with httpx.Client(base_url=url, headers=headers, timeout=60) as http:
             true = {"name": "exec", "arguments": {"command": "true"}}
@@ -568,7 +511,7 @@ def test_serve_options_reach_the_dispatcher_and_uvicorn(tmp_path: Path) -> None:
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
-            assert _closed_by_peer(sock, within=3.0)
+            assert closed_by_peer(sock, within=3.0)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from agent_backend.rollout.ray_workers import RayRolloutWorkers  # noqa: E402
 from agent_backend.rollout.trajectory import Trajectory  # noqa: E402
 from agent_backend.rollout.writers import JsonlWriter, read_trajectories  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400)]
 policy_server = policy_server_fixture
 __all__ = ["ray_cluster"]  # the fixture, imported for this module
 

@@ -8,7 +8,7 @@ TRAINERS := $(VENV)/.trainers-installed
 
 .PHONY: run test test-envs test-envs-and-lint lint typecheck pytest bench system-deps vllm-env clean
 
-$(STAMP): pyproject.toml setup.py agent_backend/schema/_plain.c agent_backend/schema/_repair.c agent_backend/schema/_quick.c
+$(STAMP): pyproject.toml agent_backend/schema/_plain.c agent_backend/schema/_repair.c agent_backend/schema/_quick.c
 	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
@@ -35,8 +35,8 @@ run: $(STAMP)
 	$(BIN)/agent-backend serve
 
 lint: $(STAMP)
-	$(BIN)/ruff check agent_backend tests bench setup.py
-	$(BIN)/ruff format --check agent_backend tests bench setup.py
+	$(BIN)/ruff check agent_backend tests bench
+	$(BIN)/ruff format --check agent_backend tests bench
 	$(BIN)/lint-imports
 
 # With the trainers installed: the integrations are checked against their real types.

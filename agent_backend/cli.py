@@ -22,8 +22,8 @@ import anyio
 import typer
 from typer.core import TyperCommand, TyperOption
 
+from agent_backend.data import BUILTIN_TOOLS_DIR, DEFAULT_POOL_FILE
 from agent_backend.errors import AgentBackendError, ModelFacingError
-from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.tools import ToolCall, ToolRegistry
 
 if TYPE_CHECKING:
@@ -522,11 +522,15 @@ def call_command(
 @pool_app.command("check")
 def pool_check_command(
     file: Annotated[
-        Path,
+        Path | None,
         typer.Argument(
-            help="Pool file (TOML), e.g. pools/local.toml.", exists=True, dir_okay=False
+            help="Pool file (TOML), e.g. pools/ssh.example.toml. Default: the built-in local "
+            "pool (pools/local.toml, shipped in the package).",
+            exists=True,
+            dir_okay=False,
+            show_default=False,
         ),
-    ],
+    ] = None,
     timeout: Annotated[
         float, typer.Option(help="Seconds each host gets to answer.", min=0.1)
     ] = 10.0,
@@ -540,6 +544,8 @@ def pool_check_command(
     from agent_backend.dispatch import Command
     from agent_backend.pool_file import load_pool, load_pool_config, with_isolation
 
+    if file is None:
+        file = DEFAULT_POOL_FILE
     try:
         config = load_pool_config(file)
         tier = _tier(isolation)

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import anyio
 import pydantic
 
-from agent_backend.backends.local_config import LocalPoolConfig
+from agent_backend.backends.local.config import LocalPoolConfig
 from agent_backend.config import config_context, import_object
 from agent_backend.dispatch import DEFAULT_POOL_NAME
 from agent_backend.dispatch.backend import Backend
@@ -89,7 +89,7 @@ DEFAULT_POOL = LocalPoolConfig()
 # type -> (config class, backend class): each imported when first needed.
 _KINDS: dict[str, tuple[str, str]] = {
     "local": (
-        "agent_backend.backends.local_config:LocalPoolConfig",
+        "agent_backend.backends.local.config:LocalPoolConfig",
         "agent_backend.backends.local:LocalBackend",
     ),
     "ssh": ("agent_backend.backends.ssh:SSHPoolConfig", "agent_backend.backends.ssh:SSHBackend"),

@@ -143,9 +143,9 @@ def raise_open_files_limit() -> int:
 async def child_main(config: dict[str, Any]) -> None:
     """``agent-backend serve``'s daemon (default pool, built-in tools), with two tokens."""
     from agent_backend.daemon import DaemonServer, DaemonSettings
+    from agent_backend.data import BUILTIN_TOOLS_DIR
     from agent_backend.dispatch import Dispatcher
     from agent_backend.pool_file import load_pools
-    from agent_backend.resources import BUILTIN_TOOLS_DIR
     from agent_backend.tools import ToolRegistry
 
     logging.basicConfig(  # as `agent-backend serve --log-level warning`

@@ -4,7 +4,7 @@ Each attack here worked when a path was resolved with ``realpath``, compared as 
 string and then opened by name: a directory swapped for a symlink between the check
 and the open, a hard link made inside the workspace to a file outside, a name with a
 newline forging entries of ``list_dir``. Now every path is resolved by ``openat2(2)``
-beneath the workspace's descriptor (``agent_backend.backends.local_files``), files with
+beneath the workspace's descriptor (``agent_backend.backends.local.files``), files with
 more than one hard link are refused on their opened descriptor, and names are escaped.
 The same behaviour of every kind of host is held by tests/test_host_contract.py.
 """
@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_backend.backends import local_files
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
+from agent_backend.backends.local import files as local_files
 from agent_backend.dispatch import Dispatcher, Session, builtin_tools
 from agent_backend.dispatch.builtin import escape_name
 from agent_backend.errors import BackendUnavailable

@@ -24,9 +24,10 @@ from support.proc_helpers import (
 )
 from support.ssh_helpers import wait_until
 
-from agent_backend.backends import local as local_module
-from agent_backend.backends import local_owner, local_spawn
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
+from agent_backend.backends.local import backend as local_module
+from agent_backend.backends.local import owner as local_owner
+from agent_backend.backends.local import spawn as local_spawn
 from agent_backend.dispatch import Command
 from agent_backend.errors import BackendUnavailable, PoolClosed
 
@@ -34,7 +35,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.timeout(60)]
 
 
 def spawn_with(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``"posix_spawn"`` (libc's, in the spawner's thread: local_spawn.py), ``"popen"`` (Popen on the
+    """``"posix_spawn"`` (libc's, in the spawner's thread: local/spawn.py), ``"popen"`` (Popen on the
     event loop, where libc falls short) or ``"asyncio"`` (no pidfds either)."""
     spawn_on("asyncio" if path == "asyncio" else "pidfd", monkeypatch)
     if path == "popen":
@@ -50,7 +51,7 @@ def spawn_with(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
 async def host(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[LocalHost]:
-    """A started local host; every test runs on the three ways of spawning (local_process.py)."""
+    """A started local host; every test runs on the three ways of spawning (local/process.py)."""
     spawn_with(request.param, monkeypatch)
     config = LocalPoolConfig(
         isolation="none", workspace_root=str(tmp_path / "root"), kill_grace=0.5
@@ -314,7 +315,7 @@ async def test_aclose_ends_calls_removes_workspaces_and_is_idempotent(tmp_path: 
     workspaces = [await host.make_workspace() for _ in range(3)]
     # Spares follow the most in use at once: three, made in the background.
     assert await wait_until(lambda: len(host.spare_workspaces()) == 3, within=10)
-    # three workspaces, three spares, the scratch directory and the owner lock (local_owner.py)
+    # three workspaces, three spares, the scratch directory and the owner lock (local/owner.py)
     assert len(entries(root)) == 8
     pid_file = tmp_path / "pid"
     errors: list[BaseException] = []

@@ -1,5 +1,5 @@
 """Workspaces of a local backend that was killed are removed by the next one to start; a live
-backend's never are (agent_backend/backends/local_owner.py)."""
+backend's never are (agent_backend/backends/local/owner.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from support.ssh_helpers import wait_until
 
-from agent_backend.backends import local_owner
 from agent_backend.backends.local import LocalBackend, LocalPoolConfig
-from agent_backend.backends.local_owner import OwnerLock, sweep_dead_owners
+from agent_backend.backends.local import owner as local_owner
+from agent_backend.backends.local.owner import OwnerLock, sweep_dead_owners
 
 pytestmark = pytest.mark.anyio
 
@@ -140,7 +140,7 @@ async def test_a_workspace_left_at_close_is_swept_later(
         raise PermissionError(13, "refused by the test", path)
 
     with monkeypatch.context() as patch:
-        patch.setattr("agent_backend.backends.local.remove_tree", refuse)
+        patch.setattr("agent_backend.backends.local.backend.remove_tree", refuse)
         await backend.aclose()
     # Left (with the spare and the scratch directory), and so is the owner's lock file, unlocked.
     assert Path(workspace).is_dir()  # noqa: ASYNC240
@@ -218,7 +218,7 @@ async def test_start_runs_the_sweep_off_the_event_loop(
         threads.append(threading.get_ident())
         return real(path)
 
-    monkeypatch.setattr("agent_backend.backends.local.sweep_dead_owners", record)
+    monkeypatch.setattr("agent_backend.backends.local.backend.sweep_dead_owners", record)
     async with LocalBackend(LocalPoolConfig(isolation="none", workspace_root=str(root))) as backend:
         await backend.start()
     assert len(threads) == 1

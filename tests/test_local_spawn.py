@@ -22,8 +22,8 @@ from support.proc_helpers import wait_dead
 from support.ssh_helpers import wait_until
 from test_local_backend import spawn_with
 
-from agent_backend.backends import local_spawn
 from agent_backend.backends.local import LocalBackend, LocalHost, LocalPoolConfig
+from agent_backend.backends.local import spawn as local_spawn
 from agent_backend.dispatch import Command
 from agent_backend.errors import PoolClosed
 

@@ -1,5 +1,5 @@
 """WorkspaceKeeper: workspaces made and removed by a few threads of their own, spares kept ahead
-(agent_backend/backends/local_workspaces.py). Waits are on states (a count, a path), each bounded."""
+(agent_backend/backends/local/workspaces.py). Waits are on states (a count, a path), each bounded."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import anyio.lowlevel
 import pytest
 from support.ssh_helpers import wait_until
 
-from agent_backend.backends.local_workspaces import THREADS, WorkspaceKeeper
+from agent_backend.backends.local.workspaces import THREADS, WorkspaceKeeper
 from agent_backend.errors import PoolClosed
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]

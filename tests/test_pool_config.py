@@ -1,5 +1,5 @@
 """Pool files: pools/local.toml is the embedded default, bad files fail at load naming the file,
-the dotted key and what was expected; built-in tool files match their definitions."""
+the dotted key and what was expected; the built-in tools are their schema files."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from agent_backend.backends.local import LocalBackend, LocalPoolConfig
 from agent_backend.backends.ssh import SSHHostConfig, SSHHostSettings, SSHPoolConfig
 from agent_backend.config import ConfigModel, import_object
 from agent_backend.daemon import DaemonSettings
+from agent_backend.data import BUILTIN_TOOLS_DIR, DEFAULT_POOL_FILE, POOLS_DIR
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, Dispatcher
-from agent_backend.dispatch.builtin import builtin_schema_text
 from agent_backend.errors import ConfigError
 from agent_backend.pool_file import (
     DEFAULT_POOL,
@@ -294,10 +294,14 @@ def test_a_bad_pool_set_names_file_key_and_expectation(
 # -- built-in tool files --------------------------------------------------------------------------
 
 
-def test_builtin_tool_files_match_their_definitions() -> None:
-    """schemas/tools/<name>.json is what builtin.py defines (rewrite with write_builtin_schemas)."""
-    for name in BUILTIN_DEFINITIONS:
-        assert (TOOLS_DIR / f"{name}.json").read_text() == builtin_schema_text(name), name
+def test_the_documented_paths_are_the_package_data() -> None:
+    """schemas/tools and pools, the paths the docs use in a checkout, are the package's data."""
+    assert TOOLS_DIR.resolve() == BUILTIN_TOOLS_DIR.resolve()
+    assert (ROOT / "pools").resolve() == POOLS_DIR.resolve()
+    assert LOCAL_TOML.resolve() == DEFAULT_POOL_FILE.resolve()
+    assert sorted(path.stem for path in BUILTIN_TOOLS_DIR.glob("*.json")) == sorted(
+        BUILTIN_DEFINITIONS
+    )
 
 
 def test_the_tool_directory_loads_the_four_builtins() -> None:

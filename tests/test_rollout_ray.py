@@ -177,7 +177,7 @@ async def test_a_killed_worker_is_replaced_and_only_its_episodes_fail(
     assert len(ray_names) == 3
     assert actor_states(ray_names) == {"DEAD"}
     # The killed worker could not close its sessions; its replacement, starting on the same
-    # node, removed their workspaces (agent_backend/backends/local_owner.py).
+    # node, removed their workspaces (agent_backend/backends/local/owner.py).
     assert leftover_workspaces(root) == []
 
 

@@ -24,7 +24,7 @@ from agent_backend.tools import (
     tool_from_definition,
 )
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "schemas" / "tools" / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "schemas" / "examples"
 
 WEATHER = {
     "name": "get_weather",

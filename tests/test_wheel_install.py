@@ -6,8 +6,10 @@ used), and installs the wheel with its dependencies into a fresh venv in a
 temporary directory. From a directory outside the repository, with no
 ``PYTHONPATH``, the tests then run the installed ``agent-backend``: ``tools``,
 ``mcp`` (the MCP SDK's client in this process: initialize, tools/list,
-tools/call) and ``serve`` (``/v1/health/live`` answers, then a
-call; how soon is bench/startup_bench.py's figure), and check that what runs is the installed package, not the repository.
+tools/call), ``pool check`` (the built-in pool's file) and ``serve`` (on the
+built-in pool and tools; ``/v1/health/live`` answers, then a call; how soon is
+bench/startup_bench.py's figure), and check that what runs is the installed
+package, not the repository.
 
 Set-up costs about 40 s here, once per run: sdist and wheel 5 s, the venv 4 s, and
 installing the dependencies from the package index the rest. The dependencies are
@@ -39,15 +41,19 @@ import httpx
 import mcp
 import pytest
 
+from agent_backend.data import BUILTIN_TOOLS_DIR, POOLS_DIR
 from agent_backend.dispatch import BUILTIN_DEFINITIONS, builtin_tools
-from agent_backend.resources import SHIPPED
 from agent_backend.tools import ToolRegistry
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the build reads: the sdist is made from a copy of these (so nothing is written
 #: into the shared work tree), and must itself carry what the wheel needs.
-PACKAGING_INPUTS = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "agent_backend")
-SOURCES = ("schemas", "pools")
+PACKAGING_INPUTS = ("pyproject.toml", "README.md", "agent_backend")
+#: The package's data files, as the checkout has them: (folder under agent_backend/data, files).
+DATA = (
+    ("tools", sorted(BUILTIN_TOOLS_DIR.glob("*.json"))),
+    ("pools", sorted(POOLS_DIR.glob("*.toml"))),
+)
 TOKEN = "wheel-test-token-" + "t" * 24
 BUILTIN_NAMES = sorted(BUILTIN_DEFINITIONS)
 
@@ -114,8 +120,8 @@ def _step(step: str, args: list[str], *, cwd: Path, timeout: float) -> None:
 
 
 def _copy_packaging_inputs(into: Path) -> None:
-    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc", "_data")
-    for name in (*PACKAGING_INPUTS, *SOURCES):
+    ignore = shutil.ignore_patterns("__pycache__", "*.so", "*.pyc")
+    for name in PACKAGING_INPUTS:
         source = ROOT / name
         if source.is_dir():
             shutil.copytree(source, into / name, ignore=ignore)
@@ -181,23 +187,27 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Installed]:
 def test_the_wheel_carries_the_tool_schemas_and_pool_files(installed: Installed) -> None:
     with zipfile.ZipFile(installed.wheel) as wheel:
         names = set(wheel.namelist())
-        for folder, pattern in SHIPPED:
-            sources = sorted((ROOT / folder).glob(pattern))
+        shipped = {"agent_backend/data/__init__.py"}
+        for folder, sources in DATA:
             assert sources, folder
             for path in sources:
-                inside = f"agent_backend/_data/{folder}/{path.name}"
+                inside = f"agent_backend/data/{folder}/{path.name}"
                 assert wheel.read(inside) == path.read_bytes(), inside
+                shipped.add(inside)
+    assert {name for name in names if name.startswith("agent_backend/data/")} == shipped
     for name in BUILTIN_NAMES:
-        assert f"agent_backend/_data/schemas/tools/{name}.json" in names
+        assert f"agent_backend/data/tools/{name}.json" in names
+    assert "agent_backend/data/pools/local.toml" in names
     assert not any(name.startswith(("schemas/", "pools/")) for name in names)
 
 
 def test_the_installed_package_is_imported_not_the_repository(installed: Installed) -> None:
     code = (
-        "import json, sys, agent_backend, agent_backend.resources as r\n"
+        "import json, sys, agent_backend, agent_backend.data as d\n"
         "from agent_backend.pool_file import DEFAULT_POOL, load_pool_config\n"
-        "print(json.dumps({'package': agent_backend.__file__, 'tools': str(r.BUILTIN_TOOLS_DIR),\n"
-        "    'local_toml_is_default': load_pool_config(r.POOLS_DIR / 'local.toml') == DEFAULT_POOL,\n"
+        "print(json.dumps({'package': agent_backend.__file__, 'tools': str(d.BUILTIN_TOOLS_DIR),\n"
+        "    'pool_file': str(d.DEFAULT_POOL_FILE),\n"
+        "    'local_toml_is_default': load_pool_config(d.DEFAULT_POOL_FILE) == DEFAULT_POOL,\n"
         "    'path': sys.path}))\n"
     )
     done = installed.run(str(installed.bin / "python"), "-c", code)
@@ -205,7 +215,8 @@ def test_the_installed_package_is_imported_not_the_repository(installed: Install
     seen = json.loads(done.stdout)
     package = installed.site_packages / "agent_backend"
     assert seen["package"] == str(package / "__init__.py")
-    assert seen["tools"] == str(package / "_data" / "schemas" / "tools")
+    assert seen["tools"] == str(package / "data" / "tools")
+    assert seen["pool_file"] == str(package / "data" / "pools" / "local.toml")
     assert seen["local_toml_is_default"] is True
     assert not [entry for entry in seen["path"] if entry and Path(entry).is_relative_to(ROOT)]
 
@@ -219,6 +230,14 @@ def test_tools_lists_the_built_in_tools(installed: Installed) -> None:
     # The shipped schema files are the built-in definitions of this source tree.
     by_name = {tool["name"]: tool for tool in json.loads(exported.stdout)}
     assert by_name == {tool["name"]: tool for tool in ToolRegistry(builtin_tools()).to_mcp()}
+
+
+def test_pool_check_checks_the_built_in_pool_by_default(installed: Installed) -> None:
+    checked = installed.run(str(installed.bin / "agent-backend"), "pool", "check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert lines[1].split()[:2] == ["local", "ok"], checked.stdout
+    assert "1/1 hosts healthy" in lines[-1]
 
 
 def _mapped_package_files(pid: int) -> list[str]:
@@ -266,15 +285,15 @@ def _lines(stream: IO[str], into: queue.Queue[str | None]) -> None:
     into.put(None)
 
 
-def _wait_for_banner(lines: queue.Queue[str | None], deadline: float) -> str:
-    """The daemon's URL from the first line it prints, waiting until ``deadline`` at most."""
+def _wait_for_banner(lines: queue.Queue[str | None], deadline: float) -> tuple[str, str]:
+    """The daemon's URL and the first line it prints, waiting until ``deadline`` at most."""
     while True:
         line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
         if line is None:
             raise AssertionError("the daemon exited before printing its URL")
         found = re.match(r"agent-backend daemon on (http://127\.0\.0\.1:\d+) ", line)
         if found:
-            return found.group(1)
+            return found.group(1), line
 
 
 def test_serve_from_the_wheel_answers_health_and_runs_a_call(installed: Installed) -> None:
@@ -293,7 +312,9 @@ def test_serve_from_the_wheel_answers_health_and_runs_a_call(installed: Installe
     reader = threading.Thread(target=_lines, args=(daemon.stdout, lines), daemon=True)
     reader.start()
     try:
-        url = _wait_for_banner(lines, deadline=spawned + 30)
+        url, banner = _wait_for_banner(lines, deadline=spawned + 30)
+        # The built-in pool and the built-in tools, from the package's data.
+        assert f"(pool: local, {len(BUILTIN_NAMES)} tools;" in banner, banner
         with httpx.Client(base_url=url, timeout=5) as http:
             deadline = spawned + 30
             while True:  # bounded: the daemon printed its URL, so it is up or about to be

@@ -1,9 +1,8 @@
 """The built-in tools: ``exec``, ``read_file``, ``write_file`` and ``list_dir``.
 
-Their definitions live here, in :data:`BUILTIN_DEFINITIONS`, so an installed
-package has them without data files; ``schemas/tools/*.json`` hold the same
-definitions for people and other tools to read, and a test keeps the two
-identical (:func:`write_builtin_schemas` rewrites the files).
+Their definitions are their schema files, ``agent_backend/data/tools/<name>.json``
+(``schemas/tools/`` in a checkout), shipped inside the package: this module
+reads them once, into :data:`BUILTIN_DEFINITIONS`.
 
 File tools are confined to the session workspace by the kernel, on the host:
 the path is handed to the host relative to the workspace, and the host opens
@@ -33,17 +32,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import orjson
 
+from agent_backend.data import BUILTIN_TOOLS_DIR
 from agent_backend.dispatch.backend import Command, DirEntry, Host
 from agent_backend.dispatch.output import head_tail
 from agent_backend.dispatch.result import ToolResult
-from agent_backend.dispatch.spec import ENV_NAME_PATTERN
+from agent_backend.dispatch.spec import BUILTIN_NAMES
 from agent_backend.errors import AgentBackendError, PathOutsideWorkspace, ToolArgumentError, clip
 from agent_backend.tools import Tool, tool_from_definition
 
@@ -55,149 +53,18 @@ __all__ = [
     "exec_command",
     "run_file_tool",
     "workspace_relative",
-    "write_builtin_schemas",
 ]
 
 
-#: The built-in tool definitions, exactly as in ``schemas/tools/<name>.json``.
-BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = {
-    "exec": {
-        "name": "exec",
-        "description": (
-            "Run a command in the workspace directory and return its output. Give either "
-            "`command`, a command line for the shell (/bin/sh: pipes, redirections, && and "
-            "globs work), or `argv`, a program and its arguments run without a shell (no "
-            "quoting needed). The result is stdout, then stderr after a [stderr] line; long "
-            "output keeps its beginning and end. A non-zero exit status or a timeout is "
-            "reported as an error, together with the output."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "command": {
-                    "type": "string",
-                    "minLength": 1,
-                    "description": (
-                        'A command line for the shell, e.g. "grep -rn TODO src | head". '
-                        "Give this or argv, not both."
-                    ),
-                },
-                "argv": {
-                    "type": "array",
-                    "items": {"type": "string"},
-                    "minItems": 1,
-                    "description": (
-                        'A program and its arguments, run without a shell, e.g. ["python3", '
-                        '"-c", "print(1 + 1)"]. Give this or command, not both.'
-                    ),
-                },
-                "timeout": {
-                    "type": "number",
-                    "exclusiveMinimum": 0,
-                    "description": (
-                        "Seconds before the command and everything it started are killed. "
-                        "Default: the tool's usual timeout; there is an upper limit."
-                    ),
-                },
-                "stdin": {
-                    "type": "string",
-                    "description": "Text for the command's standard input. Default: no input.",
-                },
-                "env": {
-                    "type": "object",
-                    "propertyNames": {"pattern": ENV_NAME_PATTERN},
-                    "additionalProperties": {"type": "string"},
-                    "description": 'Extra environment variables, e.g. {"DEBUG": "1"}.',
-                },
-            },
-            "additionalProperties": False,
-            # Exactly one of command and argv. Not a top-level oneOf: the Anthropic and
-            # OpenAI APIs refuse oneOf/anyOf/allOf at the top of a tool's parameters.
-            "if": {"required": ["argv"]},
-            "then": {"not": {"required": ["command"]}},
-            "else": {"required": ["command"]},
-            "examples": [{"command": "ls -la"}, {"argv": ["python3", "-c", "print(1 + 1)"]}],
-        },
-        "x-agent-backend": {"builtin": "exec"},
-    },
-    "read_file": {
-        "name": "read_file",
-        "description": (
-            "Read a text file in the workspace. Long files are returned in parts: the result "
-            "says which bytes it shows and the offset to read next."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {
-                    "type": "string",
-                    "minLength": 1,
-                    "description": 'The file, relative to the workspace, e.g. "src/main.py".',
-                },
-                "offset": {
-                    "type": "integer",
-                    "minimum": 0,
-                    "default": 0,
-                    "description": "The byte to start at. Default: 0, the beginning.",
-                },
-                "limit": {
-                    "type": "integer",
-                    "minimum": 1,
-                    "description": (
-                        "The most bytes to return. Default and upper limit: the output limit."
-                    ),
-                },
-            },
-            "required": ["path"],
-            "additionalProperties": False,
-        },
-        "x-agent-backend": {"builtin": "read_file"},
-    },
-    "write_file": {
-        "name": "write_file",
-        "description": (
-            "Create or replace a file in the workspace with the given text. Missing parent "
-            "directories are created."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {
-                    "type": "string",
-                    "minLength": 1,
-                    "description": 'The file, relative to the workspace, e.g. "notes/plan.md".',
-                },
-                "content": {
-                    "type": "string",
-                    "description": "The file's new content, in full.",
-                },
-            },
-            "required": ["path", "content"],
-            "additionalProperties": False,
-        },
-        "x-agent-backend": {"builtin": "write_file"},
-    },
-    "list_dir": {
-        "name": "list_dir",
-        "description": (
-            "List a directory in the workspace, one entry per line, sorted by name: "
-            "directories end with '/', symlinks with '@', files show their size in bytes."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "path": {
-                    "type": "string",
-                    "minLength": 1,
-                    "default": ".",
-                    "description": 'The directory, relative to the workspace. Default: ".".',
-                },
-            },
-            "additionalProperties": False,
-        },
-        "x-agent-backend": {"builtin": "list_dir"},
-    },
-}
+def _read_definitions() -> dict[str, dict[str, Any]]:
+    return {
+        name: orjson.loads((BUILTIN_TOOLS_DIR / f"{name}.json").read_bytes())
+        for name in BUILTIN_NAMES
+    }
+
+
+#: The built-in tool definitions, read from their schema files (:mod:`agent_backend.data`).
+BUILTIN_DEFINITIONS: dict[str, dict[str, Any]] = _read_definitions()
 
 
 def builtin_tools() -> list[Tool]:
@@ -206,21 +73,6 @@ def builtin_tools() -> list[Tool]:
         tool_from_definition(copy.deepcopy(definition), source=f"builtin:{name}")
         for name, definition in BUILTIN_DEFINITIONS.items()
     ]
-
-
-def builtin_schema_text(name: str) -> str:
-    """The content ``schemas/tools/<name>.json`` must have."""
-    return orjson.dumps(BUILTIN_DEFINITIONS[name], option=orjson.OPT_INDENT_2).decode() + "\n"
-
-
-def write_builtin_schemas(directory: str | os.PathLike[str]) -> list[Path]:
-    """Write ``<name>.json`` for every built-in tool into ``directory``; the paths written."""
-    written = []
-    for name in BUILTIN_DEFINITIONS:
-        path = Path(directory) / f"{name}.json"
-        path.write_text(builtin_schema_text(name), encoding="utf-8")
-        written.append(path)
-    return written
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)

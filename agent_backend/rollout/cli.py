@@ -38,8 +38,8 @@ import orjson
 import typer
 
 from agent_backend.config import import_object
+from agent_backend.data import BUILTIN_TOOLS_DIR
 from agent_backend.errors import AgentBackendError
-from agent_backend.resources import BUILTIN_TOOLS_DIR
 from agent_backend.rollout import defaults
 
 __all__ = ["ledger_path", "load_prompts", "rollout_command"]

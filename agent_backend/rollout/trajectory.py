@@ -40,7 +40,6 @@ from typing import Annotated, Any, Final, Literal, get_args
 import pydantic
 
 from agent_backend.errors import NonFiniteLogprobs
-from agent_backend.resources import SOURCE_ROOT
 
 __all__ = [
     "STOP_REASONS",
@@ -67,8 +66,11 @@ StopReason = Literal[
 STOP_REASONS: Final[tuple[str, ...]] = get_args(StopReason)
 
 #: The checked-in JSON Schema of :class:`Trajectory` (a test keeps it equal to
-#: ``Trajectory.model_json_schema()``): a file of the source tree, which a wheel does not ship.
-TRAJECTORY_SCHEMA_PATH: Final[Path] = SOURCE_ROOT / "schemas" / "wire" / "rollout.json"
+#: ``Trajectory.model_json_schema()``): a file of the source tree, beside this package, which a
+#: wheel does not ship (:func:`schema_text` gives the same text anywhere).
+TRAJECTORY_SCHEMA_PATH: Final[Path] = (
+    Path(__file__).resolve().parents[2] / "schemas" / "wire" / "rollout.json"
+)
 
 # Token lists are validated as plain ints (several times faster than per-item constraints
 # on long completions) and range-checked in one pass by ``_check_alignment``; the schema

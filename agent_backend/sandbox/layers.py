@@ -35,7 +35,7 @@ Linux 5.19 and a filesystem that supports them (ext4, xfs, btrfs, tmpfs since
 
 :func:`mounts_beneath` and :func:`unmount_beneath` read ``/proc/self/mountinfo``:
 what a backend that died left mounted is found there and detached before its
-directories are removed (:mod:`agent_backend.backends.local_owner`).
+directories are removed (:mod:`agent_backend.backends.local.owner`).
 
 This module must never mount outside the store or a workspace path it is
 given, never write a frozen layer, and never run a model's command.

@@ -15,8 +15,9 @@ from typing import Any
 import anyio.to_thread
 import pytest
 
-import agent_backend.backends.local as local_backend
-from agent_backend.backends import local_files, local_process
+from agent_backend.backends.local import backend as local_backend
+from agent_backend.backends.local import files as local_files
+from agent_backend.backends.local import process as local_process
 
 
 def pid_alive(pid: int) -> bool:

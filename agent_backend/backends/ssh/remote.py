@@ -10,7 +10,7 @@ into a script. A workspace is named ``ws.<instance>.XXXXXXXXXX`` after the host'
 (:mod:`.owners`).
 
 The file tools' operations run on the remote host with the same code as on
-this machine: the source of :mod:`agent_backend.backends.local_files` (the
+this machine: the source of :mod:`agent_backend.backends.local.files` (the
 standard library only), followed by a short entry point, is run with
 ``python3 -I -S -c SOURCE OP WORKSPACE PATH ...``. So the remote kernel
 resolves every path beneath the workspace with ``openat2(2)``, refuses files
@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 import anyio
 import asyncssh
 
-from agent_backend.backends import local_files
+from agent_backend.backends.local import files as local_files
 from agent_backend.backends.ssh.channel import SSHConnection, _CommandChannel
 from agent_backend.backends.ssh.pool import ConnectionPool
 from agent_backend.dispatch.backend import (
@@ -94,7 +94,7 @@ _MAKE_WORKSPACE = (
 )
 _REMOVE_TREE = 'chmod -R u+rwx -- "$@" 2>/dev/null; rm -rf -- "$@"'
 
-# The file operations: local_files's own source, then this entry point (python3 -c: argv[0]
+# The file operations: local/files.py's own source, then this entry point (python3 -c: argv[0]
 # is "-c"). Kept to what Python 3.7 runs.
 _FILES_MAIN = r"""
 
@@ -124,8 +124,8 @@ def _remote_file_operation(argv):
 _remote_file_operation(sys.argv)
 """
 _FILES_SOURCE = (
-    importlib.resources.files(local_files.__package__ or "agent_backend.backends")
-    .joinpath("local_files.py")
+    importlib.resources.files(local_files.__package__ or "agent_backend.backends.local")
+    .joinpath("files.py")
     .read_text(encoding="utf-8")
     + _FILES_MAIN
 )
@@ -308,7 +308,7 @@ class RemoteFiles:
         stdin: bytes | None = None,
         limit: int = 1 << 20,
     ) -> CommandResult:
-        """Run one of local_files's operations on the host, beneath ``workspace``."""
+        """Run one of local/files.py's operations on the host, beneath ``workspace``."""
         args = (_FILES_SOURCE, operation, absolute_path(workspace), path, *extra)
         result = await self._run(Script(RUN_PYTHON, args, what, stdin=stdin, limit=limit))
         if result.exit_status == 0:

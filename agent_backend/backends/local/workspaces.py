@@ -38,7 +38,7 @@ The jobs go in order: callers waiting for a workspace, removals a caller waits
 for, spares, then trash: a rollout's next episodes find their spares made
 before the last ones' trees are gone. Spares and trash left by a process that
 died are removed, with its workspaces, by the next backend to start in the root
-(:mod:`~agent_backend.backends.local_owner`).
+(:mod:`~agent_backend.backends.local.owner`).
 
 asyncio only: the threads hand results back with ``call_soon_threadsafe``.
 """

@@ -3,21 +3,21 @@
 One :class:`LocalHost` per backend: it admits at most ``max_concurrent_calls``
 commands at once (more wait, and the wait counts against their timeout), makes
 and removes session workspaces, and reads, writes and lists files. Each
-command is run by :func:`~agent_backend.backends.local_command.run_in_group`,
+command is run by :func:`~agent_backend.backends.local.command.run_in_group`,
 in its own process group that is ended on every way out, so nothing a call
 started outlives it. Commands start in the session workspace, or in a private
 scratch directory outside a session.
 
 With ``isolation = "namespaces"`` (docs/sandboxes.md) every workspace, and the
 scratch directory, gets a sandbox when it is made (a uid of its own, cgroups,
-and a running :class:`~agent_backend.backends.local_sandbox.SandboxProcess`
+and a running :class:`~agent_backend.backends.local.sandbox.SandboxProcess`
 whose agent starts each of its commands); the pool refuses to start where the
 host cannot build one, and a start first removes what dead owners left
 (:mod:`agent_backend.sandbox.registry`).
 
 This module must never block the event loop: file operations run in worker
 threads (workspaces in those of
-:class:`~agent_backend.backends.local_workspaces.WorkspaceKeeper`, which also
+:class:`~agent_backend.backends.local.workspaces.WorkspaceKeeper`, which also
 keeps spares made ahead); and it must never leave a process, a pipe or a
 workspace behind after :meth:`LocalBackend.aclose`.
 """
@@ -43,11 +43,11 @@ from typing import ClassVar
 import anyio
 import anyio.to_thread
 
-from agent_backend.backends import local_files
-from agent_backend.backends.local_command import DRAIN_SECONDS, run_in_group
-from agent_backend.backends.local_config import LocalPoolConfig
-from agent_backend.backends.local_owner import OwnerLock, remove_tree, sweep_dead_owners
-from agent_backend.backends.local_sandbox import (
+from agent_backend.backends.local import files
+from agent_backend.backends.local.command import DRAIN_SECONDS, run_in_group
+from agent_backend.backends.local.config import LocalPoolConfig
+from agent_backend.backends.local.owner import OwnerLock, remove_tree, sweep_dead_owners
+from agent_backend.backends.local.sandbox import (
     AGENT_VARIABLE,
     InitShell,
     SandboxDied,
@@ -55,8 +55,8 @@ from agent_backend.backends.local_sandbox import (
     agent_argv,
     agent_source,
 )
-from agent_backend.backends.local_spawn import Spawner, posix_spawn_supported
-from agent_backend.backends.local_workspaces import WorkspaceKeeper
+from agent_backend.backends.local.spawn import Spawner, posix_spawn_supported
+from agent_backend.backends.local.workspaces import WorkspaceKeeper
 from agent_backend.dispatch.backend import (
     Backend,
     Command,
@@ -86,7 +86,7 @@ from agent_backend.sandbox import (
 from agent_backend.sandbox.bwrap import INIT_PATH, SYSTEM_PATHS
 from agent_backend.sandbox.layers import Method, Stack, copy_tree
 
-__all__ = ["LocalBackend", "LocalHost", "LocalPoolConfig", "LocalStatistics"]
+__all__ = ["LocalBackend", "LocalHost", "LocalStatistics"]
 
 logger = logging.getLogger("agent_backend.backends.local")
 
@@ -760,14 +760,14 @@ class LocalHost(Host):
             return None
         return walls.process
 
-    # Beneath the workspace's descriptor, by the kernel (agent_backend.backends.local_files).
+    # Beneath the workspace's descriptor, by the kernel (agent_backend.backends.local.files).
 
     async def read_file(self, workspace: str, path: str, *, limit: int) -> FileData:
         self._check_open()
         try:
             async with self._using(workspace):
                 data, size = await anyio.to_thread.run_sync(
-                    local_files.read_file,
+                    files.read_file,
                     absolute_path(workspace),
                     path,
                     limit,
@@ -784,7 +784,7 @@ class LocalHost(Host):
         try:
             async with self._using(workspace):
                 await anyio.to_thread.run_sync(
-                    local_files.write_file,
+                    files.write_file,
                     absolute_path(workspace),
                     path,
                     data,
@@ -799,7 +799,7 @@ class LocalHost(Host):
         try:
             async with self._using(workspace):
                 entries = await anyio.to_thread.run_sync(
-                    local_files.list_dir, absolute_path(workspace), path, abandon_on_cancel=True
+                    files.list_dir, absolute_path(workspace), path, abandon_on_cancel=True
                 )
         except OSError as exc:
             raise file_error(exc, path, backend="local", host=self.name) from None

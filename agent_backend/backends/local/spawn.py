@@ -11,7 +11,7 @@ reading pipes and reaping children while a child execs; and libc's
 ``posix_spawn`` (``clone(CLONE_VM|CLONE_VFORK)``) costs less Python around it
 than ``Popen`` does.
 
-The child is what :mod:`~agent_backend.backends.local_process` asks of every
+The child is what :mod:`~agent_backend.backends.local.process` asks of every
 spawn: the leader of a process group of its own (``setpgid``), in ``cwd``
 (``posix_spawn_file_actions_addchdir_np``), with exactly the environment
 given, stdin/stdout/stderr on the pipes given, every other descriptor closed

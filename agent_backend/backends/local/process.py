@@ -6,7 +6,7 @@ callbacks, so a command costs no reader task; its exit and the closing of its
 pipes are events to wait on.
 
 **No thread per command.** On Linux (``os.pidfd_open``, kernel 5.3+) the
-child is started by the host's :class:`~agent_backend.backends.local_spawn.Spawner`
+child is started by the host's :class:`~agent_backend.backends.local.spawn.Spawner`
 (libc's ``posix_spawn`` in one thread per host, off the event loop; where
 libc lacks what it needs, :class:`subprocess.Popen` here) and watched
 through a pidfd registered with the event loop: readable when the child
@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from agent_backend.backends.local_spawn import Spawned, Spawner
+from agent_backend.backends.local.spawn import Spawned, Spawner
 from agent_backend.dispatch.output import OutputBuffer
 
 __all__ = ["ChildPipes", "ChildProcess", "PipedChild", "child_pipes", "pidfd_supported", "spawn"]

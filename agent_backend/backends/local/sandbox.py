@@ -48,7 +48,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from agent_backend.backends.local_process import PipedChild, child_pipes
+from agent_backend.backends.local.process import PipedChild, child_pipes
 from agent_backend.dispatch.output import OutputBuffer
 from agent_backend.sandbox import EgressRelay, SandboxRelays
 

@@ -1,7 +1,7 @@
 """One command on this machine, from its spawn to its :class:`CommandResult`.
 
 The command is the leader of its own process group
-(:mod:`~agent_backend.backends.local_process` says why a group and not a
+(:mod:`~agent_backend.backends.local.process` says why a group and not a
 session), so that a timeout, a cancellation or the end of the call can signal
 everything it started: SIGTERM to the group, then SIGKILL after
 ``kill_grace`` seconds. The leader's exit is not the end of a call: anything
@@ -30,10 +30,10 @@ from collections.abc import Mapping
 import anyio
 import anyio.to_thread
 
-from agent_backend.backends.local_config import LocalPoolConfig
-from agent_backend.backends.local_process import ChildProcess, spawn
-from agent_backend.backends.local_sandbox import SandboxChild, SandboxDied, SandboxProcess
-from agent_backend.backends.local_spawn import Spawner
+from agent_backend.backends.local.config import LocalPoolConfig
+from agent_backend.backends.local.process import ChildProcess, spawn
+from agent_backend.backends.local.sandbox import SandboxChild, SandboxDied, SandboxProcess
+from agent_backend.backends.local.spawn import Spawner
 from agent_backend.dispatch.backend import Command, CommandResult, Output
 from agent_backend.dispatch.output import OutputBuffer
 from agent_backend.errors import BackendUnavailable
@@ -67,8 +67,8 @@ async def run_in_group(
     pipes closed before this returns or raises. A program that cannot be
     started is a result (exit status 127 or 126, the reason on stderr); a
     machine out of processes or descriptors raises :class:`BackendUnavailable`.
-    With a ``spawner``, the process is started in its thread (``local_spawn``).
-    With a ``sandbox``, the session's sandbox runs it (``local_sandbox``), ``cwd``
+    With a ``spawner``, the process is started in its thread (:mod:`.spawn`).
+    With a ``sandbox``, the session's sandbox runs it (:mod:`.sandbox`), ``cwd``
     being a path there.
     """
     argv = _argv(command, config)

@@ -7,11 +7,11 @@ from collections.abc import Generator, Iterator
 from typing import Any, Literal
 
 import anyio
-import anyio.abc
 import pytest
 
 from agent_backend.backends.ray.replicas import ActorSet
 from agent_backend.errors import AgentBackendError, BackendUnavailable, ConfigError
+from agent_backend.lifecycle import BackgroundTasks
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -142,18 +142,17 @@ class _Harness:
 
 async def test_start_returns_each_ready_result_in_replica_order() -> None:
     h = _Harness(replicas=3, max_restarts=1)
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         described = await h.actors.start(tasks)
         assert [d["name"] for d in described] == ["p-0.0", "p-1.0", "p-2.0"]
         assert all(e.node_id == "n1" for e in h.actors.entries)
         assert h.actors.states() == {"live": 3}
         assert h.actors.live() == 3
-        tasks.cancel_scope.cancel()
 
 
 async def test_pick_is_least_loaded_then_least_served_and_never_full_or_dead() -> None:
     h = _Harness(replicas=3, max_restarts=0, max_concurrency=1)
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         a, b, c = h.actors.entries
         a.served, b.served, c.served = 2, 0, 1
@@ -164,12 +163,11 @@ async def test_pick_is_least_loaded_then_least_served_and_never_full_or_dead() -
         assert h.actors.pick() is a
         a.in_flight = 1
         assert h.actors.pick() is None
-        tasks.cancel_scope.cancel()
 
 
 async def test_a_dead_actor_is_evicted_once_and_replaced_with_the_next_generation() -> None:
     h = _Harness(replicas=2, max_restarts=2)
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         first = h.actors.entries[0]
         first.sentinel.died.set()
@@ -182,13 +180,12 @@ async def test_a_dead_actor_is_evicted_once_and_replaced_with_the_next_generatio
         assert [e.name for e in h.actors.entries] == ["p-0.1", "p-1.0"]
         assert h.actors.retired == [first]
         assert [e.name for e in h.actors.everyone()] == ["p-0.0", "p-0.1", "p-1.0"]
-        tasks.cancel_scope.cancel()
 
 
 async def test_a_replacement_that_did_not_start_is_tried_again_at_no_cost() -> None:
     h = _Harness(replicas=1, max_restarts=2)
     h.broken = {(0, 1): BackendUnavailable("p-0.1 did not start", backend="ray")}
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         h.actors.entries[0].sentinel.died.set()
         await h.settle(lambda: h.actors.entries[0].generation == 2)
@@ -205,25 +202,23 @@ async def test_a_replacement_that_did_not_start_is_tried_again_at_no_cost() -> N
         await h.settle(lambda: h.actors.exhausted())
         assert (h.actors.restarts, h.actors.replacements, h.actors.evictions) == ([2], 2, 3)
         assert h.actors.causes() == "p-0.3: RuntimeError: the actor died"
-        tasks.cancel_scope.cancel()
 
 
 async def test_a_replacement_whose_code_cannot_load_spends_the_budget() -> None:
     h = _Harness(replicas=1, max_restarts=2)
     h.broken = {(0, 1): ConfigError("cannot import", key="tools.0.function")}
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         h.actors.entries[0].sentinel.died.set()
         await h.settle(lambda: h.actors.entries[0].generation == 2)
         await h.settle(lambda: h.actors.entries[0].state == "live")
         assert h.actors.restarts == [2]
         assert h.actors.entries[0].generation == 2
-        tasks.cancel_scope.cancel()
 
 
 async def test_a_dead_node_evicts_all_its_actors_at_once_and_replacements_avoid_it() -> None:
     h = _Harness(replicas=4, max_restarts=1, nodes=("n1", "n2"))
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         on_n1 = [e for e in h.actors.entries if e.node_id == "n1"]
         assert len(on_n1) == 2
@@ -235,12 +230,11 @@ async def test_a_dead_node_evicts_all_its_actors_at_once_and_replacements_avoid_
         fresh = [h.actors.entries[e.index] for e in on_n1]
         assert all(e.avoid == frozenset({"n1"}) and e.node_id == "n2" for e in fresh)
         assert (h.actors.restarts.count(1), h.actors.replacements) == (2, 2)
-        tasks.cancel_scope.cancel()
 
 
 async def test_unavailable_actors_leave_rotation_until_their_node_is_judged_alive() -> None:
     h = _Harness(replicas=3, max_restarts=1, nodes=("n1", "n2"))
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         on_n1 = [e for e in h.actors.entries if e.node_id == "n1"]
         on_n2 = [e for e in h.actors.entries if e.node_id == "n2"]
@@ -254,25 +248,23 @@ async def test_unavailable_actors_leave_rotation_until_their_node_is_judged_aliv
         assert h.probes == ["n1"]
         assert (h.actors.evictions, h.actors.replacements) == (0, 0)
         assert h.actors.avoided() == frozenset()
-        tasks.cancel_scope.cancel()
 
 
 async def test_unavailable_actors_whose_node_is_judged_dead_are_evicted_together() -> None:
     h = _Harness(replicas=3, max_restarts=1, nodes=("n1", "n2"))
     h.dead_nodes = {"n1"}
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         on_n1 = [e for e in h.actors.entries if e.node_id == "n1"]
         h.actors.suspect(on_n1[0], "ActorUnavailableError: temporarily unavailable")
         await h.settle(lambda: h.actors.live() == 3 and all(e.state == "dead" for e in on_n1))
         assert all("its node has died" in (e.cause or "") for e in on_n1)
         assert all(h.actors.entries[e.index].node_id == "n2" for e in on_n1)
-        tasks.cancel_scope.cancel()
 
 
 async def test_an_actor_unavailable_past_the_timeout_is_declared_dead() -> None:
     h = _Harness(replicas=1, max_restarts=1)
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
         first = h.actors.entries[0]
         first.handle.describe.error = _unavailable()
@@ -282,7 +274,6 @@ async def test_an_actor_unavailable_past_the_timeout_is_declared_dead() -> None:
         assert (first.cause or "").startswith("unavailable for 0.2s")
         await h.settle(lambda: h.actors.live() == 1)
         assert h.actors.replacements == 1
-        tasks.cancel_scope.cancel()
 
 
 def _unavailable() -> BaseException:
@@ -291,12 +282,11 @@ def _unavailable() -> BaseException:
     return ray.exceptions.ActorUnavailableError("connection lost", None)
 
 
-async def test_no_replacement_once_the_owner_task_group_is_cancelled() -> None:
+async def test_no_replacement_once_the_owners_background_tasks_closed() -> None:
     h = _Harness(replicas=1, max_restarts=3)
-    async with anyio.create_task_group() as tasks:
+    async with BackgroundTasks("test") as tasks:
         await h.actors.start(tasks)
-        tasks.cancel_scope.cancel()
-        h.actors.evict(h.actors.entries[0], "gone")
-    assert h.actors.evictions == 1
+    h.actors.evict(h.actors.entries[0], "gone")
+    assert (h.actors.evictions, h.actors.replacements) == (1, 0)
     assert h.actors.replacements == 0
     assert [e.name for e in h.actors.everyone()] == ["p-0.0"]

@@ -30,7 +30,8 @@ removal that follows runs afterwards, shielded from cancellation.
 
 This module must never run a call whose arguments did not pass the tool's
 schema, never leave a workspace behind on exit, error or cancellation, and
-never start a background task outside the dispatcher's task group.
+never start a background task outside the dispatcher's own
+:class:`~agent_backend.lifecycle.BackgroundTasks`.
 """
 
 from __future__ import annotations
@@ -43,11 +44,9 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, Self
 
 import anyio
-import anyio.abc
 
 from agent_backend.dispatch.backend import Backend, Host
 from agent_backend.dispatch.leases import LeaseTable
@@ -65,6 +64,7 @@ from agent_backend.dispatch.running import (
 from agent_backend.dispatch.session import Session, SessionSupport, close_sessions
 from agent_backend.dispatch.workspaces import SessionWorkspaces, in_pool
 from agent_backend.errors import ModelFacingError, PoolClosed, PoolError, ToolTimeout
+from agent_backend.lifecycle import AsyncResource, BackgroundTasks
 from agent_backend.tools import Tool, ToolCall, ToolRegistry
 
 __all__ = ["CallLike", "Dispatcher", "DispatcherStatistics", "Session", "as_tool_call"]
@@ -85,7 +85,7 @@ class DispatcherStatistics:
     calls_in_flight: int
 
 
-class Dispatcher:
+class Dispatcher(AsyncResource):
     """Runs tool calls from ``registry`` on its pools' hosts and workers; opens :class:`Session`\\ s.
 
     ``Dispatcher(registry, pool)`` drives one pool (named ``"default"``);
@@ -174,10 +174,7 @@ class Dispatcher:
         self._reaped = 0
         self._in_flight = 0
         self._state: Literal["new", "open", "closed"] = "new"
-        self._task_group: anyio.abc.TaskGroup | None = None
-        # The reaper's own scope: the task group's encloses the body of
-        # `async with dispatcher`, which aclose() must not cancel.
-        self._reaper_scope: anyio.CancelScope | None = None
+        self._background = BackgroundTasks("agent_backend dispatcher")
         self._closed = anyio.Event()
         self._router = Router(registry, default)
         for name, backend in named.items():
@@ -219,33 +216,15 @@ class Dispatcher:
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        """Open: start the session reaper (in background tasks of its own: the dispatcher
+        may be closed from any task)."""
         if self._state != "new":
             raise PoolError(f"a dispatcher can be opened once (it is {self._state})")
-        self._reaper_scope = anyio.CancelScope()
-        task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        self._task_group = task_group
+        await self._background.open()
         self._state = "open"
         if self.session_ttl is not None:
-            task_group.start_soon(
-                self._reap_forever, self._reaper_scope, name="agent_backend session reaper"
-            )
+            self._background.start_soon(self._reap_forever, name="agent_backend session reaper")
         return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            await self.aclose()
-        finally:
-            task_group, self._task_group = self._task_group, None
-            if task_group is not None:
-                if self._reaper_scope is not None:
-                    self._reaper_scope.cancel()
-                await task_group.__aexit__(None, None, None)
 
     async def aclose(self) -> None:
         """Close every open session (ending its calls) and stop the reaper; idempotent."""
@@ -257,9 +236,10 @@ class Dispatcher:
             await close_sessions(self._sessions.resources(), "the dispatcher was closed")
             self._sessions.close()
         finally:
-            if self._reaper_scope is not None:
-                self._reaper_scope.cancel()
-            self._closed.set()
+            try:
+                await self._background.aclose()
+            finally:
+                self._closed.set()
 
     def _check_usable(self) -> None:
         if self._state == "closed":
@@ -287,14 +267,13 @@ class Dispatcher:
             await close_sessions(expired, f"reaped after {self.session_ttl:g} s without a call")
         return expired
 
-    async def _reap_forever(self, scope: anyio.CancelScope) -> None:
-        with scope:
-            while True:
-                await anyio.sleep(self.reap_interval)
-                try:
-                    await self.reap_idle_sessions()
-                except Exception:  # the reaper must outlive any one failure
-                    logger.exception("session reaper pass failed")
+    async def _reap_forever(self) -> None:
+        while True:
+            await anyio.sleep(self.reap_interval)
+            try:
+                await self.reap_idle_sessions()
+            except Exception:  # the reaper must outlive any one failure
+                logger.exception("session reaper pass failed")
 
     # -- calls ------------------------------------------------------------------------------------
 

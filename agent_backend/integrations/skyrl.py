@@ -41,24 +41,24 @@ without tokens, or a NaN.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import functools
 import importlib
-import os
 import sys
 import typing
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import anyio
-
-from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
-from agent_backend.dispatch import builtin_tools
-from agent_backend.errors import PolicyError, RolloutError
+from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry
+from agent_backend.errors import PolicyError
 from agent_backend.integrations._groups import placeholder_token, step_pool
+from agent_backend.integrations._hosting import (
+    HostedTools,
+    PoolSource,
+    check_tools_or_dispatcher,
+    open_tools,
+)
 from agent_backend.lifecycle import AsyncResource
-from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
     ChatTemplate,
     EpisodeConfig,
@@ -208,7 +208,11 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
     ``dispatcher``. A dispatcher not yet opened, and the pool it was given
     or this generator loads, are opened on the first :meth:`generate`, in
     the trainer's event loop, and closed by :meth:`aclose` (call it in that
-    loop); a dispatcher already open stays the caller's.
+    loop); a dispatcher already open stays the caller's. A ``policy`` that
+    holds connections (an async context manager, or a token policy whose
+    sampler is one) is opened and closed with them, as
+    :class:`~agent_backend.integrations.trl.TRLRollout` does: its connections
+    belong to the loop that used them.
     """
 
     def __init__(
@@ -221,7 +225,7 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
         chat_template_kwargs: Mapping[str, Any] | None = None,
         non_finite: NonFinitePolicy = "mask",
         tools: ToolRegistry | None = None,
-        pool: str | os.PathLike[str] | PoolConfig = DEFAULT_POOL,
+        pool: PoolSource = DEFAULT_POOL,
         dispatcher: Dispatcher | None = None,
         reward: RewardFunction | None = None,
         episode: EpisodeConfig | None = None,
@@ -264,8 +268,7 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
         """
         if (inference_engine_client is None) == (policy is None):
             raise ValueError("pass inference_engine_client (with tokenizer) or policy, one of them")
-        if dispatcher is not None and tools is not None:
-            raise ValueError("pass tools or a dispatcher (which has its registry), not both")
+        check_tools_or_dispatcher(tools, dispatcher)
         template: ChatTemplate | None = None
         if inference_engine_client is not None:
             if tokenizer is None:
@@ -298,99 +301,24 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
         self.group_retries = group_retries
         self.max_failed_groups = max_failed_groups
         self.placeholder_token_id: int = token
-        self._tools = tools
-        self._pool_source = pool
-        self._dispatcher = dispatcher
-        self._opening = anyio.Lock()
-        self._owner: asyncio.Task[None] | None = None
-        self._ready: asyncio.Future[Dispatcher] | None = None
-        self._stop: asyncio.Event | None = None
-        self._closed = False
+        # Opened in the trainer's event loop, by a task of its own: SkyRL's fully async trainer
+        # calls generate() from several tasks, and what the pool and the dispatcher enter must
+        # be left in the task that entered it.
+        self._hosted = HostedTools(
+            functools.partial(
+                open_tools, tools=tools, pool=pool, dispatcher=dispatcher, policy=policy
+            ),
+            what="the SkyRL generator",
+        )
 
     def __repr__(self) -> str:
         source = "engines" if self.client is not None else type(self.policy).__name__
-        state = " closed" if self._closed else ""
+        state = " closed" if self._hosted.is_closed() else ""
         return f"<AgentBackendGenerator {source} step_wise={self.step_wise}{state}>"
 
     async def aclose(self) -> None:
         """Close what the first :meth:`generate` opened (pool, dispatcher, policy); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        owner, stop = self._owner, self._stop
-        if owner is not None and stop is not None:
-            stop.set()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait([owner])
-            error = None if owner.cancelled() else owner.exception()
-            if error is not None:
-                raise error
-
-    async def _open(self) -> Dispatcher:
-        """The dispatcher, opened on first use by an owner task (the trainer's event loop).
-
-        The pool and the dispatcher run task groups, which must be entered and left
-        in one task: not in the ``generate`` call that happened to come first (SkyRL's
-        fully async trainer calls it from several tasks). The owner task holds them
-        until :meth:`aclose`, or until the loop ends (``asyncio.run`` cancels it).
-        """
-        async with self._opening:
-            if self._closed:
-                raise RolloutError("the SkyRL generator is closed")
-            given = self._dispatcher
-            if (
-                self._ready is None
-                and given is not None
-                and given.statistics().state == "open"
-                and not self._policy_needs_opening()
-            ):
-                return given  # the caller's, open: nothing to own
-            if self._ready is None:
-                loop = asyncio.get_running_loop()
-                self._ready = loop.create_future()
-                self._stop = asyncio.Event()
-                self._owner = loop.create_task(
-                    self._own(self._ready, self._stop), name="agent_backend SkyRL generator"
-                )
-            ready = self._ready
-            try:
-                return await asyncio.shield(ready)
-            except asyncio.CancelledError:
-                raise
-            except BaseException:
-                self._ready = self._owner = self._stop = None  # the next call tries again
-                raise
-
-    def _policy_needs_opening(self) -> bool:
-        return hasattr(self.policy, "__aenter__") and hasattr(self.policy, "__aexit__")
-
-    async def _own(self, ready: asyncio.Future[Dispatcher], stop: asyncio.Event) -> None:
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                dispatcher = self._dispatcher
-                if dispatcher is None:
-                    backend = await stack.enter_async_context(load_pool(self._pool_source))
-                    registry = (
-                        self._tools if self._tools is not None else ToolRegistry(builtin_tools())
-                    )
-                    dispatcher = await stack.enter_async_context(Dispatcher(registry, backend))
-                elif dispatcher.statistics().state == "new":
-                    await stack.enter_async_context(dispatcher.pool)
-                    await stack.enter_async_context(dispatcher)
-                elif dispatcher.statistics().state == "closed":
-                    raise ValueError("the dispatcher is closed")
-                if self._policy_needs_opening():
-                    await stack.enter_async_context(self.policy)  # type: ignore[arg-type]
-                ready.set_result(dispatcher)
-                await stop.wait()
-        except asyncio.CancelledError:
-            if not ready.done():
-                ready.cancel()
-            raise
-        except BaseException as exc:
-            if ready.done():
-                raise  # closing failed: aclose() raises it
-            ready.set_exception(exc)  # opening failed: the waiting generate() raises it
+        await self._hosted.aclose()
 
     def _policy_version(self, metadata: Any) -> int:
         """The engines' weight version (syncs so far), else the batch's global step."""
@@ -408,7 +336,7 @@ class AgentBackendGenerator(GeneratorInterface, AsyncResource):  # type: ignore[
 
     async def generate(self, input_batch: GeneratorInput) -> GeneratorOutput:
         """SkyRL's ``generate``: one row per input prompt, in order (step-wise: per segment)."""
-        dispatcher = await self._open()
+        dispatcher = await self._hosted.dispatcher()
         prompts = list(input_batch["prompts"])
         if not prompts:
             raise ValueError("SkyRL passed no prompts")

@@ -36,19 +36,17 @@ from typing import Any
 import anyio.from_thread
 from anyio.from_thread import BlockingPortal
 
-from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
-from agent_backend.dispatch import builtin_tools
+from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry
 from agent_backend.errors import RolloutError
 from agent_backend.integrations._groups import placeholder_token, step_pool
+from agent_backend.integrations._hosting import PoolSource, check_tools_or_dispatcher, open_tools
 from agent_backend.lifecycle import SyncResource
-from agent_backend.pool_file import PoolConfig
 from agent_backend.rollout import (
     EpisodeConfig,
     InFlight,
     Policy,
     PolicyServers,
     RolloutStatistics,
-    TokenPolicy,
     Trajectory,
     UpdateReport,
     episode_rows,
@@ -85,7 +83,7 @@ class TRLRollout(SyncResource):
         policy: Policy,
         *,
         tools: ToolRegistry | None = None,
-        pool: str | os.PathLike[str] | PoolConfig = DEFAULT_POOL,
+        pool: PoolSource = DEFAULT_POOL,
         dispatcher: Dispatcher | None = None,
         portal: BlockingPortal | None = None,
         reward: RewardFunction | None = None,
@@ -110,8 +108,7 @@ class TRLRollout(SyncResource):
                 :class:`~agent_backend.errors.RolloutError` (the policy server or
                 the pool is down); None: never, they become placeholders.
         """
-        if dispatcher is not None and tools is not None:
-            raise ValueError("pass tools or a dispatcher (which has its registry), not both")
+        check_tools_or_dispatcher(tools, dispatcher)
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
         self.policy = policy
@@ -123,38 +120,25 @@ class TRLRollout(SyncResource):
         self.last_statistics: RolloutStatistics | None = None
         """What the pool of the last call did (episodes, failures, tool calls, stop reasons)."""
         self._closed = False
+        if portal is None and dispatcher is not None and dispatcher.statistics().state == "open":
+            raise ValueError(
+                "an open dispatcher runs on the event loop that opened it: pass that "
+                "loop's portal= too, or pass the dispatcher unopened"
+            )
         self._stack = contextlib.ExitStack()
         try:
-            own_loop = portal is None
             if portal is None:
                 portal = self._stack.enter_context(anyio.from_thread.start_blocking_portal())
             self._portal = portal
-            if dispatcher is None:
-                backend = self._enter(load_pool(pool))
-                registry = tools if tools is not None else ToolRegistry(builtin_tools())
-                dispatcher = self._enter(Dispatcher(registry, backend))
-            elif dispatcher.statistics().state == "new":
-                self._enter(dispatcher.pool)
-                self._enter(dispatcher)
-            elif dispatcher.statistics().state == "closed":
-                raise ValueError("the dispatcher is closed")
-            elif own_loop:
-                raise ValueError(
-                    "an open dispatcher runs on the event loop that opened it: pass that "
-                    "loop's portal= too, or pass the dispatcher unopened"
-                )
-            self.dispatcher: Dispatcher = dispatcher
-            # What holds connections is closed on the loop that used them: the policy, or
-            # a token policy's sampler (an HTTP client).
-            for part in (policy, policy.sampler if isinstance(policy, TokenPolicy) else None):
-                if hasattr(part, "__aenter__") and hasattr(part, "__aexit__"):
-                    self._enter(part)
+            # The pool, the dispatcher and what of the policy holds connections, opened (and
+            # later closed) on the loop that uses them.
+            tools_open = open_tools(tools=tools, pool=pool, dispatcher=dispatcher, policy=policy)
+            self.dispatcher: Dispatcher = self._stack.enter_context(
+                portal.wrap_async_context_manager(tools_open)
+            )
         except BaseException:
             self._stack.close()
             raise
-
-    def _enter(self, resource: Any) -> Any:
-        return self._stack.enter_context(self._portal.wrap_async_context_manager(resource))
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""

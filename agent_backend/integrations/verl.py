@@ -23,9 +23,10 @@ tools running on an agent_backend pool, in one session per episode:
   balancing and sticky sessions apply unchanged: the rollout stays on-policy.
 * **The tools run on a pool opened once per worker process** (per event
   loop): a :class:`~agent_backend.Dispatcher` over the pool file and tools the
-  agent loop config names, owned by one background task (verl instantiates a
-  loop per row, and gives loops no shutdown hook; :func:`close_dispatchers`
-  closes them, and a local pool cleans up after a killed process by itself).
+  agent loop config names, held by a task of its own
+  (:mod:`agent_backend.integrations._hosting`: verl instantiates a loop per
+  row, and gives loops no shutdown hook; :func:`close_dispatchers` closes
+  them, and a local pool cleans up after a killed process by itself).
 * **Exactly one valid row per call**, whatever happened
   (:func:`~agent_backend.rollout.episode_rows`): an episode that failed before
   its first turn becomes a one-token placeholder under mask 0; a rollout
@@ -47,21 +48,18 @@ emit a column the trainer's batch already has.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import logging
 import numbers
 import os
 import uuid
 import warnings
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from agent_backend import DEFAULT_POOL, Dispatcher, ToolRegistry, load_pool
+from agent_backend import Dispatcher
 from agent_backend.config import import_object
-from agent_backend.dispatch import builtin_tools
 from agent_backend.errors import PolicyError
+from agent_backend.integrations._hosting import PerLoop, ToolsSpec
 from agent_backend.rollout import (
     ChatTemplate,
     EpisodeConfig,
@@ -253,68 +251,7 @@ class VerlTokenSampler:
 # -- tools: one dispatcher per worker process ----------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class ToolsSpec:
-    """Where the tools come from and where they run: the key of a shared dispatcher."""
-
-    pool: str | None = None
-    """A pool file (TOML); None: this machine (the default local pool)."""
-    tools_dir: str | None = None
-    """A folder of tool schema files, loaded into the registry."""
-    registry: str | None = None
-    """``module:attribute``: a :class:`~agent_backend.ToolRegistry`, or a function returning one."""
-    dispatcher_options: tuple[tuple[str, Any], ...] = ()
-    """Keyword arguments of :class:`~agent_backend.Dispatcher` (``default_timeout``, ...)."""
-
-    def build_registry(self) -> ToolRegistry:
-        """The registry: ``registry``'s (else the built-in tools), with ``tools_dir`` loaded."""
-        if self.registry is not None:
-            found = import_object(self.registry)
-            made = found() if callable(found) and not isinstance(found, ToolRegistry) else found
-            if not isinstance(made, ToolRegistry):
-                raise TypeError(
-                    f"registry {self.registry!r} is a {type(made).__name__}, not a ToolRegistry"
-                )
-            registry = made
-        else:
-            registry = ToolRegistry([] if self.tools_dir is not None else builtin_tools())
-        if self.tools_dir is not None:
-            registry.load_dir(self.tools_dir)
-        return registry
-
-
-class _Shared:
-    """One open dispatcher, owned by a background task of the event loop that opened it."""
-
-    def __init__(self, spec: ToolsSpec) -> None:
-        self.spec = spec
-        self.ready = asyncio.Event()
-        self.stop = asyncio.Event()
-        self.dispatcher: Dispatcher | None = None
-        self.error: BaseException | None = None
-        self.task: asyncio.Task[None] | None = None
-
-    async def own(self) -> None:
-        try:
-            registry = self.spec.build_registry()
-            backend = load_pool(self.spec.pool if self.spec.pool is not None else DEFAULT_POOL)
-            async with (
-                backend,
-                Dispatcher(registry, backend, **dict(self.spec.dispatcher_options)) as dispatcher,
-            ):
-                self.dispatcher = dispatcher
-                self.ready.set()
-                await self.stop.wait()
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self.dispatcher = None
-            self.ready.set()
-
-
-_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[ToolsSpec, _Shared]] = (
-    weakref.WeakKeyDictionary()
-)
+_HOSTED = PerLoop(ToolsSpec.open)
 
 
 async def shared_dispatcher(spec: ToolsSpec) -> Dispatcher:
@@ -323,29 +260,12 @@ async def shared_dispatcher(spec: ToolsSpec) -> Dispatcher:
     A pool that fails to open raises here (a :class:`~agent_backend.ConfigError`
     for a bad file); the next call tries again.
     """
-    loop = asyncio.get_running_loop()
-    table = _SHARED.setdefault(loop, {})
-    shared = table.get(spec)
-    if shared is None:
-        shared = table[spec] = _Shared(spec)
-        shared.task = loop.create_task(shared.own(), name=f"agent_backend dispatcher {spec}")
-    await shared.ready.wait()
-    if shared.dispatcher is None:
-        if table.get(spec) is shared:
-            del table[spec]
-        error = shared.error or RuntimeError("the shared dispatcher was closed")
-        raise error
-    return shared.dispatcher
+    return await _HOSTED.dispatcher(spec)
 
 
 async def close_dispatchers() -> None:
     """Close the dispatchers (and their pools) this event loop opened; idempotent."""
-    table = _SHARED.pop(asyncio.get_running_loop(), {})
-    for shared in table.values():
-        shared.stop.set()
-    for shared in table.values():
-        if shared.task is not None:
-            await asyncio.shield(shared.task)
+    await _HOSTED.aclose()
 
 
 # -- the agent loop --------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 :class:`ActorSet` holds the current actor of every replica and the ones it
 replaced, and runs their faults: an actor whose death sentinel fails (or
 that its owner saw die) is evicted once, killed, and replaced at most
-``max_restarts`` times per replica, in the owner's task group. Nodes are
+``max_restarts`` times per replica, in the owner's background tasks. Nodes are
 failure domains: an actor that died with its node takes every actor of the
 pool on that node with it at once, and an actor Ray reports *unavailable*
 (its connection lost, its node not yet known dead) takes its node's actors
@@ -18,7 +18,7 @@ spawn an actor, what "ready" means, and what to do when the set changes.
 
 State changes here are synchronous and do no I/O; killing, waiting and
 spawning happen after, in tasks. This module must never pick an actor that
-is not live, never start a task outside the owner's task group, and never
+is not live, never start a task outside the owner's background tasks, and never
 let a Ray exception out of a task.
 """
 
@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final, Generic, Literal, TypeVar
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import ray
 
@@ -43,6 +42,7 @@ from agent_backend.backends.ray.runtime import (
     remove_placement_groups,
 )
 from agent_backend.errors import AgentBackendError, ConfigError
+from agent_backend.lifecycle import BackgroundTasks
 
 __all__ = ["ActorSet", "ActorState", "Replica"]
 
@@ -125,7 +125,7 @@ class ActorSet(Generic[A]):
         self._closed_cause = closed_cause
         self._unavailable_timeout = unavailable_timeout
         self._probe = probe
-        self._tasks: anyio.abc.TaskGroup | None = None
+        self._tasks: BackgroundTasks | None = None
         self.entries: list[A] = []
         """The current actor of each replica (index = replica)."""
         self.retired: list[A] = []
@@ -178,7 +178,7 @@ class ActorSet(Generic[A]):
         )
 
     def evict(self, entry: A, cause: str) -> None:
-        """Mark ``entry`` dead (once) and, while the owner's task group runs, schedule its
+        """Mark ``entry`` dead (once) and, while the owner's background tasks are open, schedule its
         retirement and (budget allowing) its replacement. A death that names the actor's node
         as dead evicts every actor of the set on that node too."""
         if entry.state == "dead":
@@ -195,7 +195,7 @@ class ActorSet(Generic[A]):
         entry.state, entry.cause = "dead", cause
         self.evictions += 1
         tasks = self._tasks
-        if tasks is not None and not tasks.cancel_scope.cancel_called:
+        if tasks is not None and tasks.is_open():
             # Only the real death of a running actor spends a restart.
             replace = running and self.restarts[entry.index] < self._max_restarts
             if replace:
@@ -235,12 +235,12 @@ class ActorSet(Generic[A]):
 
     def _start_judging(self, node: str | None, suspects: list[A]) -> None:
         tasks = self._tasks
-        if tasks is not None and not tasks.cancel_scope.cancel_called:
+        if tasks is not None and tasks.is_open():
             tasks.start_soon(self._judge, node, suspects)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self, tasks: anyio.abc.TaskGroup) -> list[Any]:
+    async def start(self, tasks: BackgroundTasks) -> list[Any]:
         """Spawn every replica's first actor, wait until all are ready, mark them live and watch
         them in ``tasks``; what ``await_ready`` returned for each, in replica order.
 
@@ -276,7 +276,7 @@ class ActorSet(Generic[A]):
     async def stop(self) -> None:
         """Mark every actor dead, kill them all and wait (bounded) until Ray reports each dead.
 
-        Meant for the owner's ``aclose()``, shielded, after its task group has exited.
+        Meant for the owner's ``aclose()``, shielded, after its background tasks have ended.
         """
         everyone = self.everyone()
         for entry in everyone:

@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any, Generic, Literal, Self, TypeVar
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import ray.exceptions
 
@@ -91,8 +90,8 @@ class ActorSupervisor(AsyncResource, Generic[A]):
         self.shipped_runtime_env: dict[str, Any] | None = None
         """The ``runtime_env`` every actor gets (``actor_options(..., runtime_env=)``): the
         config's, its local ``working_dir``/``py_modules`` uploaded at start (packages.py)."""
-        self._background = BackgroundTasks()
-        self._tasks: anyio.abc.TaskGroup | None = None
+        self._background = BackgroundTasks(f"agent-backend {subject}")
+        """The actors' watchers, judges, replacements and slot settlers."""
         self._actors = ActorSet[A](
             replicas=config.replicas,
             max_restarts=config.max_restarts,
@@ -180,8 +179,8 @@ class ActorSupervisor(AsyncResource, Generic[A]):
             await anyio.to_thread.run_sync(self._connect)
             await self._prepare()
             self._pool_group = await anyio.to_thread.run_sync(pool_placement_group, self.config)
-            self._tasks = await self._background.open(f"agent-backend {self._subject}")
-            self._started(await self._actors.start(self._tasks))
+            await self._background.open()
+            self._started(await self._actors.start(self._background))
         except BaseException:
             await self.aclose()
             raise
@@ -276,8 +275,8 @@ class ActorSupervisor(AsyncResource, Generic[A]):
     def _release_when_done(self, actor: A, ref: Any) -> None:
         """Give ``actor``'s slot back once the Ray task behind ``ref`` really ended (it was
         cancelled: the actor may still be running it)."""
-        if self._tasks is not None and self._state == "open":
-            self._tasks.start_soon(self._settle, actor, ref)
+        if self._state == "open" and self._background.is_open():
+            self._background.start_soon(self._settle, actor, ref)
         else:
             self._release(actor)
 

@@ -1,9 +1,11 @@
-"""The SSH backend: a pool of SSH hosts, their lifecycle under one supervisor task.
+"""The SSH backend: a pool of SSH hosts, their lifecycle, their background work in one group.
 
+Every host's background work (connectors, reaper, probes, the owner lock)
+runs in the backend's :class:`~agent_backend.lifecycle.BackgroundTasks`.
 Stopping (:meth:`SSHBackend.aclose`) first marks every host closing (no
 connector starts, a connector that finishes closes its connection instead of
 adding it), ends the calls in flight (their remote processes are killed),
-cancels background work, then closes every connection, once. The one
+cancels background work and waits for it, then closes every connection, once. The one
 connection it may still open is a single short one per host to remove
 workspaces and kill orphans when no pooled connection is left.
 
@@ -13,13 +15,10 @@ start a pool connection after stop began.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 import anyio
-import anyio.abc
-import anyio.lowlevel
 
 from agent_backend.backends.ssh.config import (
     SSHHostConfig,
@@ -31,6 +30,7 @@ from agent_backend.backends.ssh.host import SSHHost
 from agent_backend.backends.ssh.walls import ssh_guarantees
 from agent_backend.dispatch.backend import Backend
 from agent_backend.errors import BackendUnavailable, ConfigError, PoolClosed, PoolError
+from agent_backend.lifecycle import BackgroundTasks
 from agent_backend.sandbox import Guarantees
 
 __all__ = ["SSHBackend"]
@@ -54,9 +54,8 @@ class SSHBackend(Backend):
         self._hosts = tuple(SSHHost(config) for config in hosts)
         self._close_timeout = close_timeout
         self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
-        self._stop = anyio.Event()
         self._closed = anyio.Event()
-        self._supervisor: asyncio.Task[None] | None = None
+        self._background = BackgroundTasks("agent-backend ssh pool")
 
     @classmethod
     def from_config(cls, config: SSHPoolConfig) -> SSHBackend:
@@ -111,33 +110,13 @@ class SSHBackend(Backend):
                 raise PoolClosed("the SSH backend is closed")
             raise PoolError("the SSH backend is already started")
         self._state = "starting"
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[anyio.abc.TaskGroup] = loop.create_future()
-        # Background work (connectors, reaper, probes) runs in a task group owned
-        # by one supervisor task, so aclose() may be called from any task and
-        # any cancel scope; aclose() stops it and waits for it: nothing outlives it.
-        self._supervisor = loop.create_task(self._supervise(ready), name="agent-backend ssh pool")
-        tg = await ready
+        # Not the caller's task group: aclose() may be called from any task and any cancel
+        # scope; it stops the background work and waits for it: nothing outlives it.
+        await self._background.open()
         for host in self._hosts:
-            await host._start(tg)
+            await host._start(self._background)
         if self._state == "starting":
             self._state = "open"
-
-    async def _supervise(self, ready: asyncio.Future[anyio.abc.TaskGroup]) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                ready.set_result(tg)
-                await self._stop.wait()
-                # Let tasks spawned just before stop start first (each then sees the
-                # pool closing and ends), so that none is cancelled before it ran.
-                for _ in range(1000):
-                    if not any(host.pool.background.unstarted for host in self._hosts):
-                        break
-                    await anyio.lowlevel.checkpoint()
-                tg.cancel_scope.cancel()
-        finally:
-            if not ready.done():
-                ready.cancel()
 
     async def aclose(self) -> None:
         """End calls in flight, stop background work, close every connection; idempotent."""
@@ -155,16 +134,10 @@ class SSHBackend(Backend):
                 with anyio.move_on_after(self._close_timeout):
                     for host in self._hosts:
                         await host._wait_calls()
-                self._stop.set()
-                supervisor = self._supervisor
-                if supervisor is not None:
-                    with anyio.move_on_after(self._close_timeout):
-                        await asyncio.wait({supervisor})
-                    if not supervisor.done():
-                        supervisor.cancel()
-                        await asyncio.wait({supervisor})
-                    if not supervisor.cancelled() and supervisor.exception() is not None:
-                        failure = supervisor.exception()
+                try:
+                    await self._background.aclose()
+                except BaseException as exc:  # a background task failed: raised once all is closed
+                    failure = exc
                 async with anyio.create_task_group() as closers:
                     for host in self._hosts:
                         closers.start_soon(host._shutdown)

@@ -40,7 +40,6 @@ import time
 from collections.abc import Callable
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import asyncssh
 
@@ -72,6 +71,7 @@ from agent_backend.errors import (
     ToolTimeout,
     WorkerLost,
 )
+from agent_backend.lifecycle import TaskStarter
 
 __all__ = ["SSHHost"]
 
@@ -203,11 +203,11 @@ class SSHHost(Host):
 
     # -- lifecycle (driven by SSHBackend) -----------------------------------------------------
 
-    async def _start(self, tg: anyio.abc.TaskGroup) -> None:
+    async def _start(self, tasks: TaskStarter) -> None:
         # Key files are read once, in a thread: a blocking read on the loop would
         # freeze every host starting in the same gather.
         await anyio.to_thread.run_sync(self._connector.load_credentials)
-        self.pool.start(tg)
+        self.pool.start(tasks)
 
     def _begin_close(self) -> None:
         """Synchronously: refuse new calls and connections, fail waiters, end calls in flight."""

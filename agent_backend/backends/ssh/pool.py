@@ -53,7 +53,6 @@ from collections.abc import Callable
 from typing import Generic, Literal, Protocol, TypeVar
 
 import anyio
-import anyio.abc
 
 from agent_backend.backends._errors import describe
 from agent_backend.backends.ssh.background import Background
@@ -61,6 +60,7 @@ from agent_backend.backends.ssh.config import SSHHostSettings
 from agent_backend.backends.ssh.ramp import HandshakeRamp
 from agent_backend.dispatch.leases import Lease, LeaseTable
 from agent_backend.errors import BackendUnavailable, PoolClosed, PoolError
+from agent_backend.lifecycle import TaskStarter
 
 __all__ = ["CAPACITY_COOLDOWN", "ConnectionPool", "Connector", "PooledConnection"]
 
@@ -206,11 +206,11 @@ class ConnectionPool(Generic[C]):
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def start(self, tg: anyio.abc.TaskGroup) -> None:
+    def start(self, tasks: TaskStarter) -> None:
         if self.state != "new":
             raise PoolClosed(f"{self.name} was closed while starting")
         self.state = "open"
-        self.background.attach(tg)
+        self.background.attach(tasks)
         if self._table.idle_ttl is not None:
             self.background.spawn(self._reap_forever, "reaper")
 

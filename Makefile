@@ -8,8 +8,7 @@ TRAINERS := $(VENV)/.trainers-installed
 
 .PHONY: run test test-envs test-envs-and-lint lint typecheck pytest bench system-deps vllm-env clean
 
-$(STAMP): pyproject.toml agent_backend/schema/_plain.c agent_backend/schema/_repair.c agent_backend/schema/_quick.c
-	PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh build
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
@@ -74,7 +73,7 @@ pytest: $(STAMP) $(TRAINERS) system-deps vllm-env
 
 # The test environments share no venv (.venv; .venv-vllm; .venv-mcp1 and npm's): made side by
 # side from the start they cost the longest chain's time (.venv, then its trainers and
-# frameworks), not the sum. The two apt steps take turns (scripts/ensure-system-deps.sh).
+# frameworks), not the sum.
 # `make test` runs the lint among them too: it needs .venv alone (ruff, import-linter, which
 # read the sources only), so it runs while the trainers download, not after them.
 test-envs:
@@ -103,4 +102,3 @@ bench: $(TRAINERS) system-deps vllm-env
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-mcp1 .mcp-clients .pytest_cache .mypy_cache .ruff_cache .hypothesis build
-	rm -f agent_backend/schema/_plain.*.so

@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
 # System packages, installed on a fresh machine when we may (root + apt-get).
 #
-#   ensure-system-deps.sh build   a C compiler and Python's headers, for the optional
-#                                 accelerator agent_backend.schema._plain (setup.py);
-#                                 without them the install still works, slower
 #   ensure-system-deps.sh test    OpenSSH's sshd for the SSH tests, iproute2 (ip, tc) and
 #                                 nftables for the SSH fleet tests (separate hosts in network
 #                                 namespaces; nft drops packets where the kernel has no netem);
@@ -12,10 +9,9 @@
 #                                 here, loudly
 set -euo pipefail
 
-PYTHON=${PYTHON:-python3}
 can_apt() { [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; }
-# `make test` sets up its environments side by side: its two calls of this script take
-# turns at apt (flock), rather than one failing on apt's lock.
+# Two runs at once (two `make` invocations) take turns at apt (flock), rather than one
+# failing on apt's lock.
 apt_install() {
   export DEBIAN_FRONTEND=noninteractive
   (
@@ -23,21 +19,6 @@ apt_install() {
     apt-get update -qq
     apt-get install -y -qq --no-install-recommends "$@" >/dev/null
   ) 9>/tmp/agent-backend-apt.lock
-}
-
-build_deps() {
-  local missing=()
-  command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
-  local include
-  include=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
-  [ -f "$include/Python.h" ] || missing+=(python3-dev)
-  [ ${#missing[@]} -eq 0 ] && return 0
-  if can_apt; then
-    echo "installing ${missing[*]} to build the C accelerator..."
-    apt_install "${missing[@]}"
-  else
-    echo "warning: ${missing[*]} missing; agent_backend installs without its C accelerator (slower dict arguments)" >&2
-  fi
 }
 
 test_deps() {
@@ -76,7 +57,6 @@ test_deps() {
 }
 
 case "${1:-test}" in
-  build) build_deps ;;
   test) test_deps ;;
-  *) echo "usage: $0 [build|test]" >&2; exit 2 ;;
+  *) echo "usage: $0 [test]" >&2; exit 2 ;;
 esac

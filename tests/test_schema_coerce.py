@@ -4,7 +4,8 @@ Each schema node is compiled once into a function specialized for what it
 holds; these tests pin the behaviour that specialization must not change:
 recursive ``$defs`` (compiled lazily), unions of objects, positional items,
 defaults, what already validates, copy on write, and the depth bound on
-JSON text found inside arguments.
+JSON text found inside arguments; then the functions of the common node
+shapes one at a time.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import pydantic
@@ -22,8 +25,16 @@ from support.schema_strategies import json_values
 
 from agent_backend.errors import ToolArgumentError
 from agent_backend.schema import Limits, compile_schema, prepare_arguments
-from agent_backend.schema.coerce import Coercer
-from agent_backend.schema.coerce_rules import json_equal, member_test
+from agent_backend.schema.coerce import (
+    LEAVE_OUT,
+    Coercer,
+    array_fix,
+    member_fix,
+    null_left_out,
+    object_fix,
+    type_fix,
+)
+from agent_backend.schema.coerce_rules import FAIL, json_equal, member_test
 
 
 def never_valid(node: Any, value: Any) -> bool:
@@ -498,3 +509,224 @@ class _Text(str):
 def test_enum_membership_by_key_is_json_equality(members: list[Any], value: Any) -> None:
     """``member_test`` (a set lookup for scalar members) answers as ``json_equal`` with each."""
     assert member_test(members)(value) == any(json_equal(value, m) for m in members)
+
+
+# -- one node at a time ---------------------------------------------------------------------
+
+
+class Recorder:
+    """A child node that records its calls and answers ``answer(value)``."""
+
+    def __init__(self, answer: Callable[[Any], Any]) -> None:
+        self.calls: list[tuple[Any, int, bool]] = []
+        self.answer = answer
+
+    def __call__(self, value: Any, depth: int, check: bool) -> Any:
+        self.calls.append((value, depth, check))
+        return self.answer(value)
+
+
+def never(_: Any) -> bool:
+    return False
+
+
+def no_generic(value: Any, depth: int, check: bool) -> Any:
+    return ("generic", value, depth, check)
+
+
+def parse_json(text: str, opener: str, wanted: type, depth: int) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return FAIL
+    return value if text.startswith(opener) and isinstance(value, wanted) else FAIL
+
+
+def test_an_object_node_descends_copies_on_write_and_leaves_out() -> None:
+    doubled = Recorder(lambda v: v * 2)
+    gone = Recorder(lambda v: LEAVE_OUT)
+    same_child = Recorder(lambda v: v)
+    asked: list[Any] = []
+    node: dict[str, Any] = {"type": "object"}
+
+    def accepts_of(of: Any) -> Callable[[Any], bool]:
+        asked.append(of)
+        return never
+
+    fix = object_fix(
+        node, {"a": doubled, "b": gone, "c": same_child}, parse_json, no_generic, accepts_of, True
+    )
+    value = {"a": 2, "b": 1, "c": [1], "d": "x"}
+    out = fix(value, 3, True)
+    assert out == {"a": 4, "c": [1], "d": "x"}
+    assert out is not value
+    assert value == {"a": 2, "b": 1, "c": [1], "d": "x"}
+    assert out["c"] is value["c"]
+    assert doubled.calls == [(2, 4, True)]
+    unchanged = {"c": [2], "d": 1}
+    assert fix(unchanged, 1, True) is unchanged
+    assert fix('{"a": 5}', 1, True) == {"a": 10}  # parsed text is not checked, only descended
+    assert fix("{not json", 1, True) == "{not json"
+    assert fix(7, 2, False) == ("generic", 7, 2, False)
+    assert asked == [node]  # asked once, on the first check
+
+
+def test_an_array_node_wraps_text_that_is_no_array_and_descends_items() -> None:
+    plus = Recorder(lambda v: v + 1 if type(v) is int else v)
+    fix = array_fix({"type": "array"}, plus, parse_json, no_generic, lambda node: never, False)
+    assert fix([1, "a", 2], 1, True) == [2, "a", 3]
+    assert plus.calls[0] == (1, 2, False)
+    texts = ["x", "y"]
+    assert fix(texts, 1, True) is texts
+    assert fix("[1, 2]", 1, True) == [2, 3]
+    assert fix("lone", 1, True) == ["lone"]
+    assert fix({"k": 1}, 5, True) == ("generic", {"k": 1}, 5, True)
+
+
+def test_a_checked_container_the_node_accepts_is_kept_and_verdicts_are_truthiness() -> None:
+    child = Recorder(lambda v: "changed")
+    for verdict, kept_it in ((1, True), ([], False), ("yes", True), (0, False)):
+        fix = object_fix(
+            {}, {"a": child}, None, no_generic, lambda node, v=verdict: lambda _: v, False
+        )
+        value = {"a": 1}
+        assert (fix(value, 1, True) is value) == kept_it
+        array = array_fix({}, child, None, no_generic, lambda node, v=verdict: lambda _: v, False)
+        items = [1]
+        assert (array(items, 1, True) is items) == kept_it
+
+
+def test_errors_of_validators_children_and_parsers_propagate() -> None:
+    def broken(_: Any) -> bool:
+        raise ValueError("validator broke")
+
+    def bad_child(value: Any, depth: int, check: bool) -> Any:
+        raise KeyError("child broke")
+
+    def bad_parse(text: str, opener: str, wanted: type, depth: int) -> Any:
+        raise RuntimeError("parse broke")
+
+    fix = object_fix({}, {"a": bad_child}, bad_parse, no_generic, lambda node: broken, False)
+    with pytest.raises(ValueError, match="validator broke"):
+        fix({"a": 1}, 1, True)
+    with pytest.raises(KeyError, match="child broke"):
+        fix({"a": 1}, 1, False)
+    with pytest.raises(RuntimeError, match="parse broke"):
+        fix("{}", 1, True)
+    array = array_fix({}, bad_child, bad_parse, no_generic, lambda node: broken, False)
+    with pytest.raises(KeyError, match="child broke"):
+        array([1], 1, False)
+    with pytest.raises(RuntimeError, match="parse broke"):
+        array("[]", 1, False)
+
+
+def test_scalar_nodes_convert_strings_and_hand_other_values_to_convert() -> None:
+    seen: list[Any] = []
+
+    def convert(value: Any, depth: int) -> Any:
+        seen.append((value, depth))
+        return "converted"
+
+    integer = type_fix(("integer",), convert)
+    boolean = type_fix(("boolean",), convert)
+    both = type_fix(("boolean", "null"), convert)
+    assert integer(" 42 ", 1, True) == 42
+    assert type(integer("42", 1, True)) is int
+    assert integer("4.0", 1, True) == 4
+    assert integer("4.5", 1, True) == "4.5"
+    assert integer(True, 3, True) == "converted"
+    assert seen == [(True, 3)]
+    assert boolean(" false ", 1, True) is False
+    assert boolean("no", 1, True) == "no"
+    assert both("null", 1, True) is None
+    assert both("true", 1, True) is True
+    assert boolean(1.5, 2, True) == "converted"
+
+
+def test_a_container_type_parses_text_wraps_a_lone_value_and_keeps_its_own_type() -> None:
+    repair = Coercer({}, is_valid=never_valid, max_depth=8)
+    seen: list[Any] = []
+
+    def node(types: tuple[str, ...]) -> Any:
+        step = repair._types_step(types)
+        assert step is not None
+
+        def convert(value: Any, depth: int) -> Any:  # the real step; other values recorded
+            if isinstance(value, str):
+                return step(value, depth)
+            seen.append((value, depth))
+            return "converted"
+
+        return type_fix(types, convert)
+
+    array, nullable_object = node(("array",)), node(("object", "null"))
+    given = ["kept"]
+    assert array(given, 1, True) is given
+    assert array(' ["a", 1] ', 1, True) == ["a", 1]
+    assert array("fries", 1, True) == ["fries"]
+    assert array('{"a": 1}', 1, True) == ['{"a": 1}']
+    assert nullable_object('{"a": 1}', 1, True) == {"a": 1}
+    assert nullable_object("null", 1, True) is None
+    assert nullable_object("[1]", 1, True) == "[1]"
+    assert array(5, 2, False) == "converted"
+    assert nullable_object(True, 3, True) == "converted"
+    assert seen == [(5, 2), (True, 3)]
+
+
+def test_an_enum_converts_strings_to_members_only_and_keeps_everything_else() -> None:
+    def members_of(members: list[Any]) -> Any:
+        step = Coercer({"enum": members}, is_valid=never_valid, max_depth=8)._members_step(members)
+        assert step is not None
+        return member_fix(step)
+
+    numbers = members_of([1, 2.5, "x", True, None])
+    containers = members_of([[1], {"a": 1}])
+    assert numbers(" 1 ", 1, True) == 1
+    assert type(numbers("1", 1, True)) is int
+    assert numbers("1.0", 1, True) == 1
+    assert numbers("2.5", 1, True) == 2.5
+    assert numbers("3", 1, True) == "3"  # converts, but to no member
+    assert numbers("true", 1, True) is True
+    assert numbers("false", 1, True) == "false"
+    assert numbers("null", 1, True) is None
+    assert numbers("x", 1, True) == "x"
+    assert numbers("nan", 1, True) == "nan"
+    for value in (7, 2.5, False, None, [1], {"a": 1}, float("nan")):
+        assert numbers(value, 1, True) is value
+    assert members_of([True])("1", 1, True) == "1"  # 1 is no boolean
+    assert members_of([1])("true", 1, True) == "true"
+    assert containers("[1]", 1, True) == [1]
+    assert containers('{"a": 1}', 1, True) == {"a": 1}
+
+
+def test_null_leaves_an_optional_property_out_and_other_values_go_to_its_fix() -> None:
+    inner = Recorder(lambda v: ("fixed", v))
+    fix = null_left_out(inner)
+    assert fix(None, 1, True) is LEAVE_OUT
+    assert fix("3", 2, False) == ("fixed", "3")
+    assert fix(0, 4, True) == ("fixed", 0)
+    assert inner.calls == [("3", 2, False), (0, 4, True)]
+    out = object_fix({}, {"a": fix}, None, no_generic, lambda node: never, False)(
+        {"a": None, "b": 1}, 1, False
+    )
+    assert out == {"b": 1}
+
+
+def test_a_schema_and_value_deeper_than_the_recursion_limit_raise_recursion_error() -> None:
+    """Values reach repair bounded in depth (``Limits.max_depth``); called directly on a deeper
+    one, the nodes stop at Python's recursion limit (an error, never a crash)."""
+    levels = sys.getrecursionlimit() * 4
+    schema: dict[str, Any] = {"type": "integer"}
+    value: Any = "1"
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"x": schema}}
+        value = {"x": value}
+    with pytest.raises(RecursionError):
+        Coercer(schema, is_valid=never_valid, max_depth=levels).coerce(value, known_invalid=True)
+    items: Any = "1"
+    array: dict[str, Any] = {"type": "integer"}
+    for _ in range(levels):
+        array = {"type": "array", "items": array}
+        items = [items]
+    with pytest.raises(RecursionError):
+        Coercer(array, is_valid=never_valid, max_depth=levels).coerce(items, known_invalid=True)

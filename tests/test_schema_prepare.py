@@ -466,3 +466,142 @@ def test_integers_beyond_64_bits_stay_exact(number: int) -> None:
         long_text = f'{{"{key}": {number}, "pad": "{"z" * 200}"}}'
         assert type(prepare_arguments(schema, long_text)[key]) is int
         assert prepare_arguments(schema, {key: str(number)}) == {key: number}
+
+
+# -- what only the validator can say -------------------------------------------------------
+
+D7 = "http://json-schema.org/draft-07/schema#"
+D2020 = "https://json-schema.org/draft/2020-12/schema"
+
+
+@pytest.mark.parametrize(
+    ("schema", "value"),
+    [
+        # A subschema in another draft: jsonschema-rs asserts its format (draft 7) ...
+        (
+            {"type": "object", "properties": {"email": {"$schema": D7, "format": "email"}}},
+            {"email": "not-an-email"},
+        ),
+        # ... and applies the siblings of its $ref (2019-09 on), which draft 7 ignores.
+        (
+            {
+                "$schema": D7,
+                "properties": {
+                    "a": {
+                        "$id": "http://e/a",
+                        "$schema": D2020,
+                        "$defs": {"s": {"type": "string"}},
+                        "properties": {"b": {"$ref": "#/$defs/s", "maxLength": 2}},
+                    }
+                },
+            },
+            {"a": {"b": "abcdef"}},
+        ),
+        # jsonschema-rs's is_valid refuses a value that has a property listed twice in
+        # required (where no meta-schema check saw the duplicate).
+        (
+            {
+                "type": "object",
+                "allOf": [{"$ref": "#/x-shared/s"}],
+                "x-shared": {"s": {"required": ["a", "a"]}},
+            },
+            {"a": 1},
+        ),
+    ],
+)
+def test_what_the_validator_refuses_is_never_returned_as_it_is(schema: Any, value: Any) -> None:
+    """Found by review of an earlier fast check: each of these is invalid only by a rule
+    that the resolved schema alone does not show."""
+    compiled = compile_schema(schema)
+    assert not compiled.is_valid(value)
+    try:
+        out = compiled.prepare(value)
+    except ToolArgumentError:
+        return
+    assert compiled.is_valid(out)
+
+
+def test_a_subschema_that_cannot_compile_alone_never_fails_a_call() -> None:
+    """Found by review: a duplicate "required" behind a $ref from an unknown keyword passes
+    the meta-schema check where it stands, and failed to compile as a subschema of its own
+    when repair consulted it (SchemaError from prepare). jsonschema-rs's is_valid also
+    refuses {"a": 1} for it while its iter_errors names nothing: "0 problems" before."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"anyOf": [{"$ref": "#/x-shared/s"}, {"type": "integer"}]}},
+        "x-shared": {"s": {"type": "object", "required": ["a", "a"]}},
+    }
+    compiled = compile_schema(schema)
+    assert compiled.prepare({"x": "5"}) == {"x": 5}
+    with pytest.raises(ToolArgumentError) as refused:
+        compiled.prepare({"x": {"a": 1}})
+    assert refused.value.issues
+    assert "0 problems" not in str(refused.value)
+
+
+ORDER = {
+    "$defs": {
+        "Address": {
+            "properties": {
+                "street": {"title": "Street", "type": "string"},
+                "city": {"title": "City", "type": "string"},
+                "zip_code": {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None},
+            },
+            "required": ["street", "city"],
+            "title": "Address",
+            "type": "object",
+        },
+        "Item": {
+            "properties": {
+                "sku": {"type": "string"},
+                "quantity": {"type": "integer", "minimum": 1},
+                "unit_price": {"type": "number", "exclusiveMinimum": 0},
+            },
+            "required": ["sku", "quantity", "unit_price"],
+            "type": "object",
+            "additionalProperties": False,
+        },
+    },
+    "properties": {
+        "order_id": {"type": "integer"},
+        "paid": {"type": "boolean"},
+        "status": {"enum": ["new", "paid", "shipped"]},
+        "shipping": {"$ref": "#/$defs/Address"},
+        "billing": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}], "default": None},
+        "items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "default": []},
+    },
+    "required": ["order_id", "paid", "shipping", "items"],
+    "type": "object",
+}
+ORDER_ARGS = {
+    "order_id": 1042,
+    "paid": True,
+    "status": "paid",
+    "shipping": {"street": "1 Main St", "city": "Springfield", "zip_code": 12345},
+    "billing": None,
+    "items": [{"sku": "A-1", "quantity": 2, "unit_price": 9.5}],
+    "tags": ["gift"],
+}
+
+
+def test_a_valid_nested_call_is_returned_as_a_copy_and_each_flaw_is_refused() -> None:
+    out = prepare_arguments(ORDER, ORDER_ARGS)
+    assert out == ORDER_ARGS
+    assert out is not ORDER_ARGS
+    assert out["shipping"] is not ORDER_ARGS["shipping"]
+    assert out["items"][0] is not ORDER_ARGS["items"][0]
+    # Valid by JSON Schema's reading (a whole float is an integer): kept as it is.
+    floaty = {**ORDER_ARGS, "order_id": 1042.0}
+    assert prepare_arguments(ORDER, floaty) == floaty
+    flaws = {
+        "paid": 1,
+        "status": "lost",
+        "shipping": {"street": "1 Main St"},
+        "billing": {"street": 3, "city": "x"},
+        "items": [],
+        "tags": ["a very long tag"],
+    }
+    for key, bad in flaws.items():
+        with pytest.raises(ToolArgumentError):
+            prepare_arguments(ORDER, {**ORDER_ARGS, key: bad})

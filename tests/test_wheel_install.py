@@ -240,19 +240,16 @@ def test_pool_check_checks_the_built_in_pool_by_default(installed: Installed) ->
     assert "1/1 hosts healthy" in lines[-1]
 
 
-def _mapped_package_files(pid: int) -> list[str]:
-    """Files of an ``agent_backend`` package mapped into process ``pid`` (its C extension)."""
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    return sorted({line.split()[-1] for line in maps.splitlines() if "/agent_backend/" in line})
-
-
-def _wheel_has_extension(wheel: Path) -> bool:
-    with zipfile.ZipFile(wheel) as archive:
-        return any(
-            name.startswith("agent_backend/schema/_plain.")
-            for name in archive.namelist()
-            if name.endswith(".so")
-        )
+def test_the_wheel_is_pure_python(installed: Installed) -> None:
+    """One wheel for every platform and Python 3 version: nothing in the install compiles."""
+    assert installed.wheel.name.endswith("-py3-none-any.whl"), installed.wheel.name
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        names = wheel.namelist()
+        (metadata,) = (name for name in names if name.endswith(".dist-info/WHEEL"))
+        lines = wheel.read(metadata).decode().splitlines()
+    assert "Root-Is-Purelib: true" in lines
+    assert [line for line in lines if line.startswith("Tag:")] == ["Tag: py3-none-any"]
+    assert not [name for name in names if name.endswith((".so", ".pyd", ".c"))]
 
 
 @pytest.mark.anyio
@@ -341,10 +338,6 @@ def test_serve_from_the_wheel_answers_health_and_runs_a_call(installed: Installe
             result = answer.json()
             assert result["ok"] is True, result
             assert result["output"].startswith("served\n")
-        mapped = _mapped_package_files(daemon.pid)
-        assert all(Path(path).is_relative_to(installed.venv) for path in mapped), mapped
-        if _wheel_has_extension(installed.wheel):
-            assert mapped, "the installed C extension is not loaded"
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:

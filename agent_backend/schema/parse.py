@@ -27,6 +27,7 @@ __all__ = [
     "PLAIN_ONLY",
     "Limits",
     "check_depth",
+    "copy_plain_object",
     "has_big_float",
     "has_non_finite",
     "json_type_name",
@@ -36,9 +37,12 @@ __all__ = [
     "shallow_enough",
 ]
 
-_SCALARS = (str, int, float, bool, type(None))
+_SCALARS = frozenset((str, int, float, bool, type(None)))
 # Dataclasses and datetimes are not JSON values: let them fall to the checked copy, which refuses them.
 PLAIN_ONLY = orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+#: Subclasses of str, int, dict and list go to ``default`` too (there is none, so orjson
+#: raises): :func:`copy_plain_object` passes exact types only.
+_EXACT_ONLY = PLAIN_ONLY | orjson.OPT_PASSTHROUGH_SUBCLASS
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -241,6 +245,50 @@ def _orjson_refuses(value: Any) -> bool:
         elif kind is float and node - node != 0.0:  # inf - inf is nan
             return True
     return False
+
+
+def copy_plain_object(value: Any, max_depth: int, max_bytes: int) -> dict[str, Any] | None:
+    """A deep copy of ``value`` if it is a plain JSON object within the bounds, else ``None``.
+
+    Plain: exact ``dict``/``list`` containers, exact ``str`` keys and strings
+    (UTF-8 text), ``int`` within 64 bits, finite ``float``, ``bool``, ``None``;
+    no deeper than ``max_depth`` levels (the top object is level 1) and no
+    larger than ``max_bytes`` as compact JSON. The fast path of ``prepare``
+    copies dict arguments with it; on ``None`` the caller takes
+    :func:`parse_arguments`, which converts what it can and names what it cannot.
+    About twice as fast as that checked copy on tool arguments (five times on
+    nested ones), and a valid call's largest cost after the validator.
+
+    orjson checks, sizes and (when nested) copies. It refuses subclasses of
+    str, int, dict and list here, integers beyond 64 bits and strings that are
+    not UTF-8. The encoding tells the value's shape without a Python-level
+    walk: one ``{`` and no ``[`` means no container inside (a bracket in a
+    string only sends it the slower way), so once the values' types are plain
+    a shallow copy is a full copy; no ``null`` means no NaN or infinity either
+    (orjson writes them as null). Anything nested is decoded back (a deep copy)
+    and compared with the original: what orjson converts quietly (NaN to null,
+    tuples to lists, enums and UUIDs to their values) makes the copy differ,
+    and is refused.
+    """
+    if type(value) is not dict or max_depth < 1:
+        return None
+    try:
+        encoded = orjson.dumps(value, None, _EXACT_ONLY)  # positional: no keyword parsing
+    except TypeError:
+        return None
+    if len(encoded) > max_bytes:
+        return None
+    # Int operands: `in` with an int and rfind skip bytes' buffer protocol.
+    if 91 not in encoded and encoded.rfind(123) == 0:
+        if not _SCALARS.issuperset(map(type, value.values())):
+            return None  # an enum, a UUID: orjson wrote its value
+        if encoded.find(b"null") >= 0 and has_non_finite(value):
+            return None
+        return {**value}
+    copied = orjson.loads(encoded)
+    if copied != value or not shallow_enough(encoded, copied, max_depth):
+        return None
+    return copied  # type: ignore[no-any-return]
 
 
 class _Refused(Exception):

@@ -17,10 +17,9 @@ subschema that repair consults is compiled on first use and kept.
 from __future__ import annotations
 
 import copy
-import functools
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import jsonschema
 import jsonschema.exceptions
@@ -34,12 +33,12 @@ from agent_backend.schema.keywords import check_json_shape, map_schema
 from agent_backend.schema.parse import (
     DEFAULT_LIMITS,
     Limits,
+    copy_plain_object,
+    has_big_float,
     json_type_name,
     parse_arguments,
     shallow_enough,
 )
-from agent_backend.schema.plain import CachedPrepare, DictPrepare, big_float, plain_copy
-from agent_backend.schema.quick import quick_valid
 from agent_backend.schema.refs import resolve_schema
 from agent_backend.schema.validate import (
     Validator,
@@ -50,10 +49,6 @@ from agent_backend.schema.validate import (
 )
 
 __all__ = ["CompiledSchema", "compile_schema", "prepare_arguments"]
-
-#: Builds each schema's prepare in C (``plain.DictPrepare``) when the extension is built;
-#: ``None`` builds the pure-Python one (what an install without a C compiler gets).
-_DictPrepare = DictPrepare
 
 Arguments = str | bytes | bytearray | Mapping[str, Any]
 
@@ -128,9 +123,8 @@ class CompiledSchema:
             self._prepare,
             self._repair,
             fast_validator.is_valid,
-            # The dict's copy holds no integer beyond 64 bits: the schema's own validator,
-            # with the quick check in front (quick.py) where the C extension is built.
-            quick_valid(original, self.resolved, self.dialect, self._is_valid),
+            # The dict's copy holds no integer beyond 64 bits: the schema's own validator.
+            self._is_valid,
             max_bytes=limits.max_bytes,
             max_depth=limits.max_depth,
         )
@@ -176,7 +170,7 @@ class CompiledSchema:
         ``known_invalid``: the fast path's validator already refused ``parsed``
         (it is stricter than the schema at most, so repair is needed or harmless).
         """
-        if parsed is None or (type(arguments) is not dict and big_float(parsed)):
+        if parsed is None or (type(arguments) is not dict and has_big_float(parsed)):
             value = parse_arguments(arguments, limits=self.limits, tool=tool)
             valid = self._is_valid(value)
         else:
@@ -228,7 +222,7 @@ class CompiledSchema:
         """What the fast path read and its validator refused, repaired and validated: the
         pipeline's repair step without its other branches. Text that may hold an integer
         orjson could not keep exact takes the whole pipeline (which reads it again)."""
-        if type(arguments) is dict or not big_float(parsed):
+        if type(arguments) is dict or not has_big_float(parsed):
             return self._checked(self._coercers[0].coerce(parsed, known_invalid=True), tool)
         return self._prepare(arguments, tool=tool, parsed=parsed, known_invalid=True)
 
@@ -296,7 +290,7 @@ def _fast_path(
 ) -> PrepareFn:
     """Build the hot path of one schema: a dict, or short JSON text, that is valid as it is.
 
-    A dict is copied by :func:`~agent_backend.schema.plain.plain_copy` (a deep
+    A dict is copied by :func:`~agent_backend.schema.parse.copy_plain_object` (a deep
     copy of a plain JSON object within the limits, else ``None``: then the
     full pipeline says what is wrong) and validated.
 
@@ -313,10 +307,6 @@ def _fast_path(
     variables instead of attribute lookups, and parameters with positional
     defaults (keyword-only defaults cost a dict lookup each per call): this
     runs on every call.
-
-    With the C extension built, the dict case runs in C (``plain.DictPrepare``:
-    the same copy, the same validator, no Python frame) and every other call
-    goes to the Python function below, which it stands for (``__wrapped__``).
     """
     loads = orjson.loads
     short = 2 * (max_depth + 1)
@@ -329,7 +319,7 @@ def _fast_path(
         value: dict[str, Any] | None
         kind = type(arguments)
         if kind is dict:
-            value = plain_copy(arguments, max_depth, max_bytes)
+            value = copy_plain_object(arguments, max_depth, max_bytes)
             if value is None:
                 return full(arguments, tool=tool, inject_defaults=inject_defaults)
             if inject_defaults:
@@ -358,10 +348,7 @@ def _fast_path(
             return repair(arguments, tool, value)
         return full(arguments, tool=tool, inject_defaults=inject_defaults)
 
-    if _DictPrepare is None:
-        return prepare
-    fast = _DictPrepare(dict_is_valid, max_depth, max_bytes, prepare, repair)
-    return functools.update_wrapper(fast, prepare)
+    return prepare
 
 
 #: The fast path reads JSON with orjson, which turns an integer beyond 64 bits into a
@@ -438,7 +425,7 @@ def compile_schema(
 
 _CACHE_SIZE = 512
 # id(schema) -> (schema, its compiled prepare). Holding the schema keeps its id from being
-# reused. With the C extension, prepare_arguments reads it in C (plain.CachedPrepare).
+# reused.
 _cache: dict[int, tuple[object, PrepareFn]] = {}
 _cache_lock = threading.Lock()
 
@@ -475,15 +462,3 @@ def prepare_arguments(
     entry = _cache.get(id(schema))
     prepare = entry[1] if entry is not None and entry[0] is schema else _compiled_for(schema)
     return prepare(arguments, tool, inject_defaults)
-
-
-#: The pure-Python :func:`prepare_arguments` (the C one below stands for it and hands it
-#: every call it does not answer itself: a schema not compiled yet, another call shape).
-prepare_arguments_python = prepare_arguments
-
-if CachedPrepare is not None and not TYPE_CHECKING:
-    # A schema seen before, called as prepare_arguments(schema, arguments): its compiled
-    # prepare runs from C, without this module's Python frame (the hot path).
-    prepare_arguments = functools.update_wrapper(
-        CachedPrepare(_cache, prepare_arguments_python), prepare_arguments_python
-    )

@@ -10,7 +10,8 @@ figure is the best of its rounds, so load from other processes falls on all alik
   with ``$defs``; and of the same arguments corrupted the way models do (the
   coercion path);
 * a no-op tool called in this process through ``Dispatcher.call`` (the default local
-  pool): the whole in-process call a user pays for;
+  pool): the whole in-process call a user pays for, timed in batches of about 2 ms as
+  ``prepare`` is (a block of thousands of calls is printed beside it, for reference);
 * the same tool through a real daemon (``/v1/call``, in a child process, 16 keep-alive
   connections): the daemon's CPU per call, read from ``/proc``.
 
@@ -22,16 +23,18 @@ Targets, printed as PASS/FAIL:
 * every corrupted well-typed BFCL call recovered exactly, and the JSON Schema test
   suite's verdicts the same on the resolved schemas as on the originals.
 
-Beside them, for reference only: jsonschema-rs ``is_valid`` alone (the validator
-``prepare`` runs, a dependency of the package, so always there), jsonschema's compiled
-``is_valid`` and one-shot ``validate`` (what peers call per call), and where a valid
-dict's time goes.
+Beside them, for reference only (printed as INFO, never a verdict): jsonschema-rs
+``is_valid`` alone (the validator ``prepare`` runs, a dependency of the package, so always
+there) and jsonschema's compiled ``is_valid`` and one-shot ``validate`` (what peers call
+per call), with the earlier targets against them (at least 20x faster than jsonschema's
+``is_valid``, at most 2x jsonschema-rs's), and where a valid dict's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import random
@@ -78,6 +81,8 @@ CONNECTIONS = 16
 DISPATCHER_SHARE = 0.03
 DAEMON_SHARE = 0.01
 COERCION_RATIO = 3.0
+#: Batches per round of the single-pair figures (the $defs schema, the no-op call).
+DEFS_BATCHES = 4
 
 Case = tuple[str, dict[str, Any], dict[str, Any], dict[str, Any] | None]
 
@@ -238,6 +243,27 @@ async def dispatcher_call_seconds(dispatcher: Dispatcher, calls: int) -> float:
     return (time.perf_counter() - started) / calls
 
 
+async def dispatcher_batches(dispatcher: Dispatcher, batches: int, batch: int) -> float:
+    """The best of ``batches`` batches of ``batch`` no-op ``Dispatcher.call``, seconds per call.
+
+    Timed as ``prepare`` is (:class:`Timings`: batches of about 2 ms, the garbage collector
+    off, as ``timeit`` runs), so that load from other processes falls on both sides of the
+    ratio alike: a block of thousands of calls takes a fraction of a second, and a burst of
+    load in it would inflate the call (and shrink prepare's share) where prepare's 2 ms
+    batches dodge it.
+    """
+    best = float("inf")
+    for _ in range(batches):
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            best = min(best, await dispatcher_call_seconds(dispatcher, batch))
+        finally:
+            if collecting:
+                gc.enable()
+    return best
+
+
 async def daemon_cpu_per_call(connections: list[Connection], pid: int, calls: int) -> float:
     """The daemon's CPU seconds per ``/v1/call`` of the no-op tool, over ``calls`` calls."""
     body = orjson.dumps({"name": "noop", "arguments": NOOP_ARGS})
@@ -278,7 +304,8 @@ def fast_path_parts(cases: list[Case], rounds: int) -> None:
     for name, values in parts.items():
         print(f"    {name:34} {us(statistics.median(values))}")
     print(
-        "    (the fast path copies with copy_plain_object; parse_arguments takes what it refuses)"
+        "    (the fast path copies with copy_plain_object;"
+        " parse_arguments takes what it refuses)"
     )
 
 
@@ -347,8 +374,25 @@ def summarize(label: str, rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
+def verdict(ok: bool | None) -> str:
+    """``None``: a reference line, not a target."""
+    return "INFO" if ok is None else "PASS" if ok else "FAIL"
+
+
+def reference_figures(label: str, figures: dict[str, float]) -> list[tuple[str, bool | None]]:
+    """The earlier targets against the validators, kept for reference (no verdict)."""
+    return [
+        (
+            f"{label}: prepare (valid dict) {figures['speedup_dict']:.1f}x faster than jsonschema's"
+            " compiled is_valid (an earlier target: >= 20x)",
+            None,
+        ),
+        (
+            f"{label}: prepare (valid dict) {figures['over_rs']:.2f}x jsonschema-rs is_valid alone"
+            " (an earlier target: <= 2x)",
+            None,
+        ),
+    ]
 
 
 def order_case() -> Case:
@@ -365,13 +409,14 @@ def order_case() -> Case:
 
 async def timed_rounds(
     cases: list[Case], order: Case, rounds: int, dispatcher_calls: int, daemon_calls: int
-) -> tuple[list[dict[str, float]], dict[str, float], float, float]:
+) -> tuple[list[dict[str, float]], dict[str, float], tuple[float, float], float]:
     """Every part once per round, best of the rounds: the BFCL pairs, the ``$defs`` schema,
-    the no-op ``Dispatcher.call`` and the daemon's CPU per ``/v1/call``."""
+    the no-op ``Dispatcher.call`` (best 2 ms batch, and best block of ``dispatcher_calls``
+    calls for reference) and the daemon's CPU per ``/v1/call``."""
     bfcl = [case_timings(schema, args, broken) for _, schema, args, broken in cases]
     _, schema, args, broken = order
     defs = case_timings(schema, args, broken)
-    dispatcher_best = daemon_best = float("inf")
+    dispatcher_best = block_best = daemon_best = float("inf")
     daemon, url = start_daemon()
     try:
         host = url.removeprefix("http://")
@@ -385,16 +430,21 @@ async def timed_rounds(
                 )
                 for _ in range(CONNECTIONS)
             ]
-            await dispatcher_call_seconds(dispatcher, 200)  # warm up both
+            once = await dispatcher_call_seconds(dispatcher, 200)  # warm up both
+            batch = max(1, int(0.002 / once))  # about 2 ms, as Timings batches prepare
             await daemon_cpu_per_call(connections, daemon.pid, 20 * CONNECTIONS)
             for index in range(rounds):
                 for timings in bfcl:
                     timings.round()
-                # The $defs schema is one pair: more rounds of it, as the BFCL median has many.
-                for _ in range(4):
+                # The $defs schema is one pair: more rounds of it, as the BFCL median has many;
+                # the no-op call is one figure too, and gets as many 2 ms batches.
+                for _ in range(DEFS_BATCHES):
                     defs.round()
                 dispatcher_best = min(
-                    dispatcher_best, await dispatcher_call_seconds(dispatcher, dispatcher_calls)
+                    dispatcher_best, await dispatcher_batches(dispatcher, DEFS_BATCHES, batch)
+                )
+                block_best = min(
+                    block_best, await dispatcher_call_seconds(dispatcher, dispatcher_calls)
                 )
                 daemon_best = min(
                     daemon_best, await daemon_cpu_per_call(connections, daemon.pid, daemon_calls)
@@ -409,12 +459,12 @@ async def timed_rounds(
         row = dict(timings.best)
         row["jsonschema_validate"] = one_shot_validate(schema, args)
         rows.append(row)
-    return rows[:-1], rows[-1], dispatcher_best, daemon_best
+    return rows[:-1], rows[-1], (dispatcher_best, block_best), daemon_best
 
 
 def share_figures(
     label: str, prepare: float, dispatcher: float, daemon: float
-) -> list[tuple[str, bool]]:
+) -> list[tuple[str, bool | None]]:
     """``prepare``'s share of a whole call, in process and through the daemon. A free prepare
     would make the call ``1 / (1 - share)`` times faster: the most any faster implementation
     of it (docs/validator.md) could buy on what users pay."""
@@ -454,19 +504,22 @@ def main() -> int:
 
     print(f"agent_backend from {Path(agent_backend.__file__).parent}")
     print(f"{os.cpu_count()} cores; load average at start: {os.getloadavg()[0]:.2f}")
-    figures: list[tuple[str, bool]] = []
+    figures: list[tuple[str, bool | None]] = []
     find_shared_data()
     missing = realworld_missing_reason()
     cases = pick_cases(options.cases) if missing is None else []
     if missing is not None:
         print(f"(skipping BFCL timings: {missing})")
-    rows, order_row, dispatcher, daemon = anyio.run(
+    rows, order_row, (dispatcher, block), daemon = anyio.run(
         timed_rounds, cases, order_case(), options.repeats, dispatcher_calls, daemon_calls
     )
     print(
         f"\n== What a call costs (no-op tool, default local pool, best of {options.repeats} rounds) =="
     )
-    print(f"  Dispatcher.call in process          {us(dispatcher)}")
+    print(
+        f"  Dispatcher.call in process          {us(dispatcher)}  (best 2 ms batch, timed as"
+        f" prepare is; best block of {dispatcher_calls} calls: {block * 1e6:.2f} us)"
+    )
     print(f"  daemon CPU per /v1/call             {us(daemon)}  ({CONNECTIONS} connections)")
 
     if rows:
@@ -479,6 +532,7 @@ def main() -> int:
                 bfcl["coerce_ratio"] <= COERCION_RATIO,
             )
         )
+        figures += reference_figures("BFCL median", bfcl)
     order = summarize("pydantic schema with $defs (Order)", [order_row])
     figures += share_figures("$defs", order["valid_dict"], dispatcher, daemon)
     figures.append(
@@ -487,6 +541,7 @@ def main() -> int:
             order["coerce_ratio"] <= COERCION_RATIO,
         )
     )
+    figures += reference_figures("$defs", order)
 
     if missing is None:
         started = time.perf_counter()
@@ -520,7 +575,7 @@ def main() -> int:
     print("\n== Figures ==")
     for text, ok in figures:
         print(f"  [{verdict(ok)}] {text}")
-    return 0 if all(ok for _, ok in figures) else 1
+    return 0 if all(ok for _, ok in figures if ok is not None) else 1
 
 
 if __name__ == "__main__":

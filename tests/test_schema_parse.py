@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent_backend.errors import ConfigError, ToolArgumentError
-from agent_backend.schema import Limits, compile_schema, prepare_arguments
-from agent_backend.schema.parse import copy_plain_object
+from agent_backend.schema import CompiledSchema, Limits, compile_schema, prepare_arguments
+from agent_backend.schema.parse import copy_plain_object, may_hold_big_integer
 
 BIG = 10**9
 
@@ -299,6 +300,83 @@ def test_prepare_returns_unshared_json_or_refuses(index: int, value: dict[Any, A
         assert is_json(out)
         assert out is not value
         assert not set(containers(out)) & set(containers(value))
+
+
+class _Watched(CompiledSchema):
+    """A compiled schema that counts what its fast path hands on to the whole pipeline."""
+
+    __slots__ = ("handed_on",)
+
+    def __init__(self, schema: Any, *, limits: Limits) -> None:
+        self.handed_on = 0
+        super().__init__(schema, limits=limits)
+
+    def _prepare(self, arguments: Any, **options: Any) -> dict[str, Any]:
+        self.handed_on += 1
+        return super()._prepare(arguments, **options)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(objects(odd=True), st.sampled_from([(64, 1_000_000), (2, 40)]))
+def test_the_fast_path_keeps_what_copy_plain_object_keeps(
+    value: dict[Any, Any], bounds: tuple[int, int]
+) -> None:
+    """prepare's fast path keeps what copy_plain_object keeps, as the same unshared copy, and
+    hands everything the function refuses to the checked path."""
+    max_depth, max_bytes = bounds
+    compiled = _Watched(True, limits=Limits(max_depth=max_depth, max_bytes=max_bytes))
+    copied = copy_plain_object(value, max_depth, max_bytes)
+    try:
+        out: Any = compiled.prepare(value)
+    except ToolArgumentError:
+        out = None
+    if copied is None:
+        assert compiled.handed_on == 1
+    else:
+        assert compiled.handed_on == 0
+        assert out == copied
+        assert orjson.dumps(out) == orjson.dumps(copied)  # the same types, in the same order
+        assert not set(containers(out)) & set(containers(value))
+
+
+# -- integers orjson cannot read exactly --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "may"),
+    [
+        ('{"a": 123456789012345678}', False),  # 18 digits: below 2**63
+        ('{"a": -999999999999999999, "b": 1.5e300}', False),
+        ('{"a": 12345.6789012345678901}', False),  # runs of 5 and 16 digits
+        ('{"a": 1234567890123456789}', True),  # 19 digits
+        ('{"a": [18446744073709551616]}', True),
+        ('{"id": "12345678901234567890"}', True),  # in a string: a false positive, harmless
+        ('{"a": "١٢٣٤٥٦٧٨٩٠١٢٣٤٥٦٧٨٩٠"}', False),  # not JSON digits
+        ('{"a": "\ud800", "b": "\udfff"}', False),
+        ('{"\ud800": "12345678901234567890"}', True),
+        (b"[99999999999999999999]", True),
+        (b"", False),
+    ],
+)
+def test_texts_that_may_hold_a_big_integer(text: str | bytes, may: bool) -> None:
+    assert may_hold_big_integer(text) is may
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.integers(-(2**80), 2**80) | st.floats(allow_nan=False, allow_infinity=False),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner),
+        max_leaves=12,
+    )
+)
+def test_text_without_a_long_digit_run_is_read_exactly_by_orjson(value: Any) -> None:
+    """What lets repair skip looking for floats orjson made of integers beyond 64 bits."""
+    text = json.dumps(value)
+    if not may_hold_big_integer(text):
+        exact = json.loads(text)
+        assert orjson.loads(text) == exact
+        assert orjson.dumps(orjson.loads(text)) == orjson.dumps(exact)
 
 
 @pytest.mark.parametrize("field", ["max_bytes", "max_depth", "max_issues"])

@@ -468,6 +468,19 @@ def test_integers_beyond_64_bits_stay_exact(number: int) -> None:
         assert prepare_arguments(schema, {key: str(number)}) == {key: number}
 
 
+def test_a_repaired_call_keeps_integers_beyond_64_bits_exact_anywhere() -> None:
+    """Text that needs repair and holds such an integer is read again exactly, where the
+    schema types it and where it does not; a long digit run in a string changes nothing."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "x": {}}}
+    big = 123456789012345678901234567890
+    out = prepare_arguments(schema, f'{{"n": "5", "x": {big}, "y": [{{"z": -{big}}}]}}')
+    assert out == {"n": 5, "x": big, "y": [{"z": -big}]}
+    assert type(out["x"]) is int
+    assert type(out["y"][0]["z"]) is int
+    out = prepare_arguments(schema, '{"n": "5", "x": "12345678901234567890", "y": 1.5e300}')
+    assert out == {"n": 5, "x": "12345678901234567890", "y": 1.5e300}
+
+
 # -- what only the validator can say -------------------------------------------------------
 
 D7 = "http://json-schema.org/draft-07/schema#"

@@ -71,6 +71,7 @@ from agent_backend.schema.parse import (
     has_big_float,
     json_type_name,
     load_json_value,
+    may_hold_big_integer,
 )
 
 __all__ = ["Coercer"]
@@ -413,7 +414,7 @@ class Coercer:
             return self._parse_exactly(text, wanted, depth)
         levels = self._max_depth - depth + 1  # how many levels may nest from ``depth``
         if len(text) < 2 * levels + 2 or text.count("{") + text.count("[") <= levels:
-            if has_big_float(parsed):
+            if may_hold_big_integer(text) and has_big_float(parsed):
                 return self._parse_exactly(text, wanted, depth)
         else:
             verdict = _scan(parsed, depth, self._max_depth)

@@ -36,6 +36,7 @@ from agent_backend.schema.parse import (
     copy_plain_object,
     has_big_float,
     json_type_name,
+    may_hold_big_integer,
     parse_arguments,
     shallow_enough,
 )
@@ -170,7 +171,11 @@ class CompiledSchema:
         ``known_invalid``: the fast path's validator already refused ``parsed``
         (it is stricter than the schema at most, so repair is needed or harmless).
         """
-        if parsed is None or (type(arguments) is not dict and has_big_float(parsed)):
+        if parsed is None or (
+            type(arguments) is not dict
+            and may_hold_big_integer(arguments)  # type: ignore[arg-type]
+            and has_big_float(parsed)
+        ):
             value = parse_arguments(arguments, limits=self.limits, tool=tool)
             valid = self._is_valid(value)
         else:
@@ -221,10 +226,18 @@ class CompiledSchema:
     ) -> dict[str, Any]:
         """What the fast path read and its validator refused, repaired and validated: the
         pipeline's repair step without its other branches. Text that may hold an integer
-        orjson could not keep exact takes the whole pipeline (which reads it again)."""
-        if type(arguments) is dict or not has_big_float(parsed):
-            return self._checked(self._coercers[0].coerce(parsed, known_invalid=True), tool)
-        return self._prepare(arguments, tool=tool, parsed=parsed, known_invalid=True)
+        orjson could not keep exact takes the whole pipeline (which reads it again); a
+        dict's copy never holds one (orjson refuses to encode such an integer)."""
+        if (
+            type(arguments) is not dict
+            and may_hold_big_integer(arguments)  # type: ignore[arg-type]
+            and has_big_float(parsed)
+        ):
+            return self._prepare(arguments, tool=tool, parsed=parsed, known_invalid=True)
+        repaired = self._coercers[0].coerce(parsed, known_invalid=True)
+        if type(repaired) is dict and self._is_valid(repaired):
+            return repaired
+        return self._checked(repaired, tool)  # says why, or refuses a non-object
 
     def _subschema_accepts(self, node: Any, value: Any) -> bool:
         return self._accepts_of(node)(value)

@@ -136,7 +136,7 @@ class Tool:
 
     def prepare(self, arguments: Arguments) -> dict[str, Any]:
         """Arguments this tool may run with; raises :class:`~agent_backend.errors.ToolArgumentError`."""
-        return self.compiled.prepare(arguments, tool=self.name)
+        return self.compiled.prepare(arguments, self.name)  # positional: the hot path
 
     async def invoke(self, arguments: Arguments) -> Any:
         """Prepare ``arguments`` and run :attr:`function` with them.

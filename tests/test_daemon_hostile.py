@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 from support.daemon_fixtures import OTHER_TOKEN, TOKEN, make_registry
-from support.serve_child import Child, closed_by_peer, serve_child
+from support.serve_child import Child, closed_by_peer, read_one_response, serve_child
 
 from agent_backend.daemon import DaemonSettings, run_in_thread
 from agent_backend.pool_file import DEFAULT_POOL, with_isolation
@@ -206,7 +206,7 @@ def test_connections_over_the_cap_are_refused_with_503_and_idle_ones_make_room(
         try:
             for sock in idle:
                 sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-                assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+                assert read_one_response(sock).startswith(b"HTTP/1.1 200 ")
             assert_serving(child, within=5)
             # Two were closed to make room (one per request of assert_serving).
             closed = [sock for sock in idle if closed_by_peer(sock, within=0.5)]

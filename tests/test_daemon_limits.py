@@ -32,7 +32,7 @@ import anyio
 import httpx
 import pytest
 from support.daemon_fixtures import OTHER_TOKEN, TALLY, TOKEN, Daemon, make_registry
-from support.serve_child import closed_by_peer, serve_child
+from support.serve_child import closed_by_peer, read_one_response, serve_child
 
 import agent_backend.dispatch.session as session_module
 from agent_backend.daemon import DaemonSettings, run_in_thread
@@ -510,7 +510,7 @@ def test_serve_options_reach_the_dispatcher_and_uvicorn(tmp_path: Path) -> None:
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"GET /v1/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+            assert read_one_response(sock).startswith(b"HTTP/1.1 200 ")
             assert closed_by_peer(sock, within=3.0)
 
 

@@ -226,34 +226,50 @@ def test_metrics_count_calls_errors_and_pool_state(daemon: Daemon) -> None:
 
 
 @pytest.mark.anyio
-async def test_fast_path_answers_like_fastapi() -> None:
-    """The two hot routes skip FastAPI; with fast_path=False FastAPI answers them. Same bytes."""
-    bodies = [
-        {"name": "echo", "arguments": {"value": "same"}, "id": "x"},
-        {"name": "echo", "arguments": '{"value": 5}', "id": "y"},
-        {"name": "nope", "id": "z"},
-        {"nam": "echo"},
-        {"name": "echo", "timeout": 0},
-    ]
+async def test_the_call_routes_answer_in_fastapis_shapes() -> None:
+    """``POST /v1/call`` and ``/v1/batch`` are answered in front of FastAPI (daemon/calls.py):
+    a body error is located as FastAPI locates one, and FastAPI answers their other methods."""
     token = "parity-token-" + "c" * 20
     settings = DaemonSettings(tokens=(token,), mcp=False)
-    answers: dict[bool, list[tuple[int, object]]] = {}
     async with load_pool(DEFAULT_POOL) as pool, Dispatcher(make_registry(), pool) as dispatcher:
-        for fast in (True, False):
-            app = create_app(dispatcher, settings, fast_path=fast)
-            transport = httpx.ASGITransport(app=app)
-            headers = {"Authorization": f"Bearer {token}"}
-            async with httpx.AsyncClient(
-                transport=transport, base_url="http://t", headers=headers
-            ) as http:
-                answers[fast] = []
-                for body in bodies:
-                    for path in ("/v1/call", "/v1/batch"):
-                        payload = body if path == "/v1/call" else {"calls": [body]}
-                        response = await http.post(path, json=payload)
-                        data = response.json()
-                        for result in data.get("results", [data]):
-                            if isinstance(result, dict):
-                                result.pop("duration", None)
-                        answers[fast].append((response.status_code, data))
-    assert answers[True] == answers[False]
+        transport = httpx.ASGITransport(app=create_app(dispatcher, settings))
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t", headers=headers
+        ) as http:
+            ok = await http.post("/v1/call", json={"name": "echo", "arguments": {"value": "v"}})
+            assert ok.status_code == 200
+            assert ok.json()["output"] == "v"
+            bad = await http.post("/v1/call", json={"nam": "echo"})
+            in_batch = await http.post(
+                "/v1/batch", json={"calls": [{"name": "echo", "timeout": 0}]}
+            )
+            not_json = await http.post("/v1/call", content=b"{", headers={"content-type": "x"})
+            wrong_method = await http.get("/v1/call")
+            slash = await http.post("/v1/batch/", json={"calls": []})
+    assert bad.status_code == 422
+    assert bad.json()["error"] == {
+        "type": "InvalidRequest",
+        "message": "body.name: Field required (and 1 more)",
+        "fields": {
+            "status": 422,
+            "issues": [
+                {"loc": ["body", "name"], "msg": "Field required"},
+                {"loc": ["body", "nam"], "msg": "Extra inputs are not permitted"},
+            ],
+        },
+    }
+    assert in_batch.status_code == 422
+    assert in_batch.json()["error"]["fields"]["issues"] == [
+        {"loc": ["body", "calls", 0, "timeout"], "msg": "Extra inputs are not permitted"}
+    ]
+    assert not_json.status_code == 422
+    assert not_json.json()["error"]["fields"]["issues"][0]["loc"] == ["body"]
+    assert wrong_method.status_code == 405
+    assert wrong_method.json()["error"] == {
+        "type": "MethodNotAllowed",
+        "message": "GET is not allowed on /v1/call",
+        "fields": {"status": 405},
+    }
+    assert slash.status_code == 307
+    assert slash.headers["location"] == "http://t/v1/batch"

@@ -22,51 +22,36 @@ anything else is an :class:`~agent_backend.wire.ErrorBody` with a 4xx/5xx
 (:mod:`agent_backend.daemon.errors`).
 
 Middlewares (pure ASGI), outermost first: bearer auth, body limit,
-per-token concurrency limit, idempotency, the fast path of the two call
-routes; then FastAPI for everything else. This module must never
-close the dispatcher or its pool (the server runner owns them).
+per-token concurrency limit, idempotency, the two call routes
+(:class:`~.calls.CallRoutes`, the call path ``/mcp`` shares); then FastAPI
+for everything else. This module must never close the dispatcher or its
+pool (the server runner owns them).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal, NoReturn
 
-import orjson
-import pydantic
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agent_backend.daemon.auth import PRINCIPAL_KEY, BearerAuth
-from agent_backend.daemon.errors import (
-    install_exception_handlers,
-    send_error,
-    status_for,
-    validation_error,
-)
+from agent_backend.daemon.calls import CallPath, CallRoutes
+from agent_backend.daemon.errors import install_exception_handlers
 from agent_backend.daemon.idempotency import Idempotency, IdempotencyStore
-from agent_backend.daemon.limits import (
-    BODY_KEY,
-    BodyLimit,
-    ConcurrencyLimit,
-    InFlight,
-    check_batch_size,
-)
+from agent_backend.daemon.limits import BodyLimit, ConcurrencyLimit, InFlight
 from agent_backend.daemon.mcp_http import JsonRpcRefusals, McpEndpoint, loopback_guard, mount
 from agent_backend.daemon.mcp_sessions import McpSessions
 from agent_backend.daemon.metrics import CONTENT_TYPE, Metrics
 from agent_backend.daemon.sessions import SessionTable
 from agent_backend.daemon.settings import DaemonSettings
-from agent_backend.dispatch import Dispatcher, Session, ToolResult
-from agent_backend.errors import AgentBackendError, InvalidRequest, RequestTooLarge
-from agent_backend.tools import ToolCall
+from agent_backend.dispatch import Dispatcher, ToolResult
+from agent_backend.errors import InvalidRequest
 from agent_backend.wire import (
     API_PREFIX,
     BatchRequest,
@@ -80,12 +65,9 @@ from agent_backend.wire import (
     Readiness,
     SessionInfo,
     ToolsResponse,
-    WireCall,
 )
 
 __all__ = ["DaemonApp", "DaemonState", "create_app"]
-
-logger = logging.getLogger("agent_backend.daemon")
 
 _JSON = "application/json"
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -118,96 +100,23 @@ def _principal(scope: Scope) -> str:
     return str(scope.get(PRINCIPAL_KEY, ""))
 
 
-def _argument_size(arguments: dict[str, Any] | str) -> int:
-    if isinstance(arguments, str):
-        return len(arguments.encode())
-    try:
-        return len(orjson.dumps(arguments))
-    except orjson.JSONEncodeError:  # integers past 64 bits: the standard library writes them
-        return len(json.dumps(arguments))
-
-
 def _json(model: Any, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type=_JSON)
 
 
 class _Routes:
-    """The route handlers, bound to one dispatcher and its daemon's state.
-
-    Each takes the ASGI scope (for the caller's identity and the body's size)
-    and the parsed body, so that FastAPI's routes and the fast path below
-    run the same code.
-    """
+    """The FastAPI route handlers (all but the two call routes), bound to one dispatcher and
+    its daemon's state."""
 
     def __init__(
         self,
         dispatcher: Dispatcher,
-        settings: DaemonSettings,
         state: DaemonState,
-        metrics: Metrics,
         sessions: SessionTable,
-        in_flight: InFlight,
     ) -> None:
         self.dispatcher = dispatcher
-        self.settings = settings
         self.state = state
-        self.metrics = metrics
         self.sessions = sessions
-        self.in_flight = in_flight
-
-    def _check_arguments(self, scope: Scope, calls: list[WireCall]) -> None:
-        limit = self.settings.max_argument_bytes
-        if len(scope.get(BODY_KEY, b"")) <= limit:
-            return  # every call's arguments are smaller than the whole body
-        for index, call in enumerate(calls):
-            if _argument_size(call.arguments) > limit:
-                raise RequestTooLarge(
-                    f"the arguments of call {index} ({call.name!r}) are larger than {limit} bytes",
-                    limit=limit,
-                    what="arguments",
-                )
-
-    def _session(self, scope: Scope, session_id: str | None) -> Session | None:
-        if session_id is None:
-            return None
-        return self.sessions.get(_principal(scope), session_id)
-
-    async def call(self, scope: Scope, body: CallRequest) -> bytes:
-        self._check_arguments(scope, [body])
-        session = self._session(scope, body.session)
-        call = ToolCall(body.id or "call_0", body.name, body.arguments, "mcp", body.error)
-        started = time.perf_counter()
-        try:
-            result = await self.dispatcher.call(call, timeout=body.timeout, session=session)
-        except AgentBackendError as exc:
-            self.metrics.observe_error(body.name, exc, time.perf_counter() - started)
-            raise
-        self.metrics.observe(result)
-        return result.__pydantic_serializer__.to_json(result)
-
-    async def batch(self, scope: Scope, body: BatchRequest) -> bytes:
-        check_batch_size(len(body.calls), self.settings.max_batch)
-        self._check_arguments(scope, body.calls)
-        session = self._session(scope, body.session)
-        calls = [
-            ToolCall(c.id or f"call_{i}", c.name, c.arguments, "mcp", c.error)
-            for i, c in enumerate(body.calls)
-        ]
-        # One slot of the token's concurrency per call, all taken before any runs (or a 429).
-        with self.in_flight.hold(_principal(scope), len(calls)):
-            started = time.perf_counter()
-            try:
-                results = await self.dispatcher.call_many(
-                    calls, timeout=body.timeout, session=session
-                )
-            except AgentBackendError as exc:
-                self.metrics.observe_error(
-                    calls[0].name if calls else "", exc, time.perf_counter() - started
-                )
-                raise
-        for result in results:
-            self.metrics.observe(result)
-        return BatchResponse(results=results).model_dump_json().encode()
 
     async def open_session(self, scope: Scope) -> Response:
         session = await self.sessions.open(_principal(scope))
@@ -281,76 +190,9 @@ class _Routes:
         )
 
 
-class _FastCalls:
-    """ASGI middleware: ``POST /v1/call`` and ``/v1/batch`` without FastAPI's per-request work.
-
-    The two routes every rollout worker hits thousands of times a second are
-    answered here: the body (already read by :class:`BodyLimit`) is validated
-    by the same pydantic models in one Rust pass, the same :class:`_Routes`
-    method runs, and errors get the same bodies as FastAPI's handlers give.
-    FastAPI keeps the routes too: they make the OpenAPI document, and a test
-    checks both answer alike (``create_app(..., fast_path=False)``).
-    """
-
-    def __init__(self, app: ASGIApp, *, routes: _Routes) -> None:
-        self.app = app
-        self._handlers: dict[str, Callable[[Scope, bytes], Awaitable[bytes]]] = {
-            f"{API_PREFIX}/call": self._call,
-            f"{API_PREFIX}/batch": self._batch,
-        }
-        self.routes = routes
-
-    async def _call(self, scope: Scope, body: bytes) -> bytes:
-        return await self.routes.call(scope, CallRequest.model_validate_json(body))
-
-    async def _batch(self, scope: Scope, body: bytes) -> bytes:
-        return await self.routes.batch(scope, BatchRequest.model_validate_json(body))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        handler = None
-        if scope["type"] == "http" and scope["method"] == "POST":
-            handler = self._handlers.get(scope["path"])
-        if handler is None:
-            await self.app(scope, receive, send)
-            return
-        try:
-            payload = await handler(scope, scope.get(BODY_KEY, b""))
-        except pydantic.ValidationError as exc:
-            await send_error(send, validation_error(_body_errors(exc)))
-            return
-        except AgentBackendError as exc:
-            if status_for(exc) >= 500:
-                logger.warning("POST %s: %s: %s", scope["path"], type(exc).__name__, exc)
-            await send_error(send, exc)
-            return
-        except Exception:
-            logger.exception("POST %s failed", scope["path"])
-            await send_error(send, AgentBackendError("internal error in the daemon; see its log"))
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload})
-
-
-def _body_errors(exc: pydantic.ValidationError) -> list[dict[str, Any]]:
-    # As FastAPI reports them: the location starts with "body".
-    return [
-        {"loc": ["body", *error["loc"]], "msg": error["msg"]}
-        for error in exc.errors(include_url=False, include_input=False)
-    ]
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class DaemonApp:
-    """The ASGI app: pure-ASGI middlewares (auth, limits, idempotency, fast calls) around FastAPI."""
+    """The ASGI app: pure-ASGI middlewares (auth, limits, idempotency, call routes) around FastAPI."""
 
     api: FastAPI
     """The FastAPI app: every route, the OpenAPI document, the exception handlers."""
@@ -385,35 +227,26 @@ def _guarded(
 
 
 def _mcp_app(
-    dispatcher: Dispatcher,
+    path: CallPath,
     settings: DaemonSettings,
     *,
     sessions: SessionTable,
-    metrics: Metrics,
-    in_flight: InFlight,
     state: DaemonState,
 ) -> tuple[ASGIApp, McpSessions]:
-    """``/mcp`` (:mod:`agent_backend.daemon.mcp_http`) behind the same auth and limits as ``/v1``."""
+    """``/mcp`` (:mod:`agent_backend.daemon.mcp_http`) behind the same auth and limits as ``/v1``,
+    its tool calls on the same call path."""
     from agent_backend.mcp import McpHandlers
     from agent_backend.tokens import is_loopback
 
-    def observe(tool: str, outcome: ToolResult | AgentBackendError, seconds: float) -> None:
-        if isinstance(outcome, ToolResult):
-            metrics.observe(outcome)
-        else:
-            metrics.observe_error(tool, outcome, seconds)
-
     mcp_sessions = McpSessions(sessions)
     endpoint = McpEndpoint(
-        McpHandlers(dispatcher, observe=observe),
+        McpHandlers(path.dispatcher, run=path.run),
         mcp_sessions,
-        in_flight=in_flight,
-        max_batch=settings.max_batch,
-        max_argument_bytes=settings.max_argument_bytes,
+        path=path,
         # DNS rebinding protection on loopback, as the mcp package does.
         guard=loopback_guard if is_loopback(settings.host) else None,
     )
-    stack = JsonRpcRefusals(_guarded(endpoint, settings, state, in_flight))
+    stack = JsonRpcRefusals(_guarded(endpoint, settings, state, path.in_flight))
     return stack, mcp_sessions
 
 
@@ -422,12 +255,8 @@ def create_app(
     settings: DaemonSettings,
     *,
     state: DaemonState | None = None,
-    fast_path: bool = True,
 ) -> DaemonApp:
-    """The daemon's ASGI app for ``dispatcher`` (which the caller opens and closes).
-
-    ``fast_path=False`` leaves ``/v1/call`` and ``/v1/batch`` to FastAPI (for tests).
-    """
+    """The daemon's ASGI app for ``dispatcher`` (which the caller opens and closes)."""
     from agent_backend import __version__
 
     state = state if state is not None else DaemonState()
@@ -455,19 +284,15 @@ def create_app(
 
     in_flight = InFlight(limit=settings.max_concurrent_per_token, retry_after=settings.retry_after)
     metrics = Metrics(dispatcher, extra=extra_gauges)
-    routes = _Routes(dispatcher, settings, state, metrics, sessions, in_flight)
-    mcp = (
-        _mcp_app(
-            dispatcher,
-            settings,
-            sessions=sessions,
-            metrics=metrics,
-            in_flight=in_flight,
-            state=state,
-        )
-        if settings.mcp
-        else None
+    path = CallPath(
+        dispatcher,
+        in_flight=in_flight,
+        metrics=metrics,
+        max_batch=settings.max_batch,
+        max_argument_bytes=settings.max_argument_bytes,
     )
+    routes = _Routes(dispatcher, state, sessions)
+    mcp = _mcp_app(path, settings, sessions=sessions, state=state) if settings.mcp else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -525,18 +350,20 @@ def create_app(
         """The tools this daemon runs, in OpenAI, Anthropic or MCP shape."""
         return await routes.tools(format, strict=strict)
 
+    # Declared for the OpenAPI document (and FastAPI's 405 on other methods): CallRoutes
+    # answers every POST to them in front of FastAPI, so these bodies never run.
     @v1.post("/call", response_model=ToolResult, tags=["calls"], responses=_SESSION_ERRORS)
-    async def call(request: Request, body: CallRequest) -> Response:
+    async def call(body: CallRequest) -> NoReturn:
         """Run one tool call. A failed call is a 200 result with ``ok: false``.
 
         Send ``Idempotency-Key`` to make retries safe: a retry returns the first result.
         """
-        return Response(await routes.call(request.scope, body), media_type=_JSON)
+        raise AssertionError("POST /v1/call is answered by CallRoutes")
 
     @v1.post("/batch", response_model=BatchResponse, tags=["calls"], responses=_SESSION_ERRORS)
-    async def batch(request: Request, body: BatchRequest) -> Response:
+    async def batch(body: BatchRequest) -> NoReturn:
         """Run independent calls concurrently; the results come back in call order."""
-        return Response(await routes.batch(request.scope, body), media_type=_JSON)
+        raise AssertionError("POST /v1/batch is answered by CallRoutes")
 
     @v1.post(
         "/sessions",
@@ -599,11 +426,12 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
 
-    # Pure ASGI, outermost first; the hot routes never reach FastAPI (see _FastCalls).
-    inner: ASGIApp = _FastCalls(app, routes=routes) if fast_path else app
+    # Pure ASGI, outermost first; the call routes never reach FastAPI (calls.py).
     stack = _guarded(
         Idempotency(
-            inner, store=store, max_response_bytes=min(settings.idempotency_max_bytes, 16 << 20)
+            CallRoutes(app, path=path, sessions=sessions),
+            store=store,
+            max_response_bytes=min(settings.idempotency_max_bytes, 16 << 20),
         ),
         settings,
         state,

@@ -10,7 +10,9 @@ did not come back in time 504. A bug is a 500 whose body says nothing of
 the daemon's internals (the traceback goes to the log).
 
 The same body is written by the FastAPI exception handlers (errors raised in
-routes) and by the pure ASGI middlewares (refusals before a route runs).
+routes), by the call routes in front of FastAPI (:mod:`.calls`) and by the
+pure ASGI middlewares (refusals before a route runs); :func:`answer_for`
+decides, for all of them, what an exception is answered with and logs it.
 This module must never put a traceback, a token or a whole request into a body.
 """
 
@@ -20,6 +22,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -49,6 +52,8 @@ from agent_backend.errors import (
 from agent_backend.wire import ErrorBody, error_to_wire
 
 __all__ = [
+    "answer_for",
+    "body_validation_error",
     "error_body",
     "error_headers",
     "error_response",
@@ -146,6 +151,25 @@ def validation_error(errors: Sequence[Any]) -> InvalidRequest:
     return InvalidRequest(f"{where}: {first['msg']}{more}", issues=shown)
 
 
+def body_validation_error(exc: pydantic.ValidationError) -> InvalidRequest:
+    """The 422 for a body that does not parse or match its model, located as FastAPI's are."""
+    errors = exc.errors(include_url=False, include_input=False)
+    return validation_error(
+        [{"loc": ["body", *error["loc"]], "msg": error["msg"]} for error in errors]
+    )
+
+
+def answer_for(exc: Exception, *, method: str, path: str) -> AgentBackendError:
+    """What a route that raised ``exc`` answers: the error itself (logged when it is a 5xx),
+    or, for a bug, a 500 that says nothing of the daemon's internals (the traceback is logged)."""
+    if isinstance(exc, AgentBackendError):
+        if status_for(exc) >= 500:
+            logger.warning("%s %s: %s: %s", method, path, type(exc).__name__, exc)
+        return exc
+    logger.error("%s %s failed", method, path, exc_info=exc)
+    return AgentBackendError("internal error in the daemon; see its log")
+
+
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -173,20 +197,10 @@ def install_exception_handlers(app: FastAPI) -> None:
             error = DaemonError(clip(str(exc.detail), 500), status=exc.status_code)
         return error_response(error)
 
-    async def on_agent_backend(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, AgentBackendError)
-        status = status_for(exc)
-        if status >= 500:
-            logger.warning(
-                "%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc
-            )
-        return error_response(exc)
-
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return error_response(AgentBackendError("internal error in the daemon; see its log"))
+    async def on_error(request: Request, exc: Exception) -> Response:
+        return error_response(answer_for(exc, method=request.method, path=request.url.path))
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    app.add_exception_handler(AgentBackendError, on_agent_backend)
-    app.add_exception_handler(Exception, on_bug)
+    app.add_exception_handler(AgentBackendError, on_error)
+    app.add_exception_handler(Exception, on_error)

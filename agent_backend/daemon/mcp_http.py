@@ -22,16 +22,16 @@ A ``tools/call`` is ended, its processes killed, when the client sends
 timeout fires) or disconnects. The methods themselves are
 :class:`~agent_backend.mcp.McpHandlers`', the ones stdio runs.
 
-``/mcp`` is held to ``/v1``'s limits, counted together: a batch has at
-most ``max_batch`` messages, and holds one of its token's
-``max_concurrent_per_token`` slots per ``tools/call`` in it, all taken
-before any runs (429 with ``Retry-After`` when they are not free, nothing
-run). The daemon's refusals before this endpoint (bearer token, body size,
-per-token concurrency, shutdown) keep their status but answer, on
-``/mcp``, with a JSON-RPC error body whose message the MCP clients show
-(:class:`JsonRpcRefusals`); so do this endpoint's own (Host/Origin, an
-argument over ``max_argument_bytes``, a batch over its limits, an unknown
-session).
+``/mcp``'s tool calls take ``/v1``'s call path (:class:`~.calls.CallPath`),
+limits counted together: a batch has at most ``max_batch`` messages, and
+holds one of its token's ``max_concurrent_per_token`` slots per
+``tools/call`` in it, all taken before any runs (429 with ``Retry-After``
+when they are not free, nothing run). The daemon's refusals before this
+endpoint (bearer token, body size, per-token concurrency, shutdown) keep
+their status but answer, on ``/mcp``, with a JSON-RPC error body whose
+message the MCP clients show (:class:`JsonRpcRefusals`); so do this
+endpoint's own (Host/Origin, an argument over ``max_argument_bytes``, a
+batch over its limits, an unknown session).
 This module must never run a call for a token that does not own its session.
 """
 
@@ -43,7 +43,7 @@ import http
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Final
 
 import anyio
@@ -54,16 +54,11 @@ from mcp_types.version import LATEST_MODERN_VERSION
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from agent_backend.daemon.auth import PRINCIPAL_KEY
+from agent_backend.daemon.calls import CallPath
 from agent_backend.daemon.errors import error_headers, status_for
-from agent_backend.daemon.limits import BODY_KEY, InFlight, check_batch_size
+from agent_backend.daemon.limits import BODY_KEY
 from agent_backend.daemon.mcp_sessions import McpSession, McpSessions
-from agent_backend.errors import (
-    AgentBackendError,
-    DaemonError,
-    InvalidRequest,
-    RequestTooLarge,
-    clip,
-)
+from agent_backend.errors import AgentBackendError, DaemonError, InvalidRequest, clip
 from agent_backend.mcp import SERVED_VERSIONS, JsonRpcError, McpHandlers
 from agent_backend.wire import error_to_wire
 
@@ -146,13 +141,6 @@ async def _send_refusal(send: Send, refusal: _Refusal) -> None:
     await _send(send, refusal.status, body, refusal.headers)
 
 
-def _argument_size(arguments: Any) -> int:
-    try:
-        return len(orjson.dumps(arguments))
-    except TypeError:  # integers past 64 bits: the standard library writes them
-        return len(json.dumps(arguments))
-
-
 def _host_allowed(value: str, names: Sequence[str], prefixes: Sequence[str] = ("",)) -> bool:
     for prefix in prefixes:
         for name in names:
@@ -199,17 +187,14 @@ class McpEndpoint:
         handlers: McpHandlers,
         sessions: McpSessions,
         *,
-        in_flight: InFlight,
-        max_batch: int,
-        max_argument_bytes: int,
+        path: CallPath,
         guard: Callable[[Scope], _Refusal | None] | None = None,
     ) -> None:
         self.handlers = handlers
+        """The MCP methods; its ``tools/call`` runs on ``path`` (``McpHandlers(run=path.run)``)."""
         self.sessions = sessions
-        self.in_flight = in_flight
-        """The daemon's per-token slots: a batch takes one per ``tools/call`` (see above)."""
-        self.max_batch = max_batch
-        self.max_argument_bytes = max_argument_bytes
+        self.path = path
+        """The daemon's call path: the limits a batch is checked against, its slots (see above)."""
         self.guard = guard
 
     def __repr__(self) -> str:
@@ -269,11 +254,12 @@ class McpEndpoint:
                 _refusal_error(406, "this server answers in application/json; accept it"),
             )
         body = scope.get(BODY_KEY, b"")
-        if len(body) > _COUNT_FIRST_BYTES and _array_longer_than(body, self.max_batch):
+        max_batch = self.path.max_batch
+        if len(body) > _COUNT_FIRST_BYTES and _array_longer_than(body, max_batch):
             raise _Refusal.of(
                 InvalidRequest(
-                    f"a batch has at most {self.max_batch} messages; this one has more",
-                    issues=[{"loc": ["body"], "msg": f"more than {self.max_batch} messages"}],
+                    f"a batch has at most {max_batch} messages; this one has more",
+                    issues=[{"loc": ["body"], "msg": f"more than {max_batch} messages"}],
                 )
             )
         try:
@@ -321,7 +307,7 @@ class McpEndpoint:
             if not decoded:
                 raise _Refusal(400, JsonRpcError(types.INVALID_REQUEST, "an empty batch"))
             try:  # as /v1/batch does, before any of its calls is looked at
-                check_batch_size(len(decoded), self.max_batch, unit="messages")
+                self.path.check_batch(len(decoded), unit="messages")
             except AgentBackendError as exc:
                 raise _Refusal.of(exc) from None
             messages = decoded
@@ -329,14 +315,15 @@ class McpEndpoint:
             messages = [decoded]
 
         exchange = _Exchange(self, principal, version, mcp)
-        self._check_arguments(scope, messages)
-        if len(messages) > 1:
-            taken = self._take_slots(principal, messages)
+        # As /v1/batch: arguments checked, then a slot per tools/call, all before any runs (one
+        # message: the request's own slot, ConcurrencyLimit's, is its call's).
+        calls = sum(1 for message in messages if _kind(message) == "request" and _is_call(message))
+        with contextlib.ExitStack() as held:
             try:
-                replies = await exchange.run(messages, receive)
-            finally:
-                self.in_flight.give(principal, taken)
-        else:  # one message: the request's own slot (ConcurrencyLimit) is its call's
+                self.path.check_arguments(len(body), _call_arguments(messages))
+                held.enter_context(self.path.slots(principal, calls, what="a JSON-RPC batch"))
+            except AgentBackendError as exc:
+                raise _Refusal.of(exc) from None
             replies = await exchange.run(messages, receive)
         if exchange.disconnected:
             return  # nobody to answer
@@ -345,35 +332,6 @@ class McpEndpoint:
             return
         body = orjson.dumps(replies if isinstance(decoded, list) else replies[0])
         await _send(send, 200, body)
-
-    def _take_slots(self, principal: str, messages: list[Any]) -> int:
-        """A slot of the token's concurrency per ``tools/call`` of a batch, all taken now (the
-        request's own is one of them), as ``/v1/batch`` does; how many more were taken."""
-        calls = sum(1 for message in messages if _kind(message) == "request" and _is_call(message))
-        try:
-            return self.in_flight.take(principal, calls, what="a JSON-RPC batch")
-        except AgentBackendError as exc:
-            raise _Refusal.of(exc) from None
-
-    def _check_arguments(self, scope: Scope, messages: list[Any]) -> None:
-        limit = self.max_argument_bytes
-        if len(scope.get(BODY_KEY, b"")) <= limit:
-            return  # every call's arguments are smaller than the whole body
-        for message in messages:
-            if not isinstance(message, dict) or message.get("method") != "tools/call":
-                continue
-            params = message.get("params")
-            arguments = params.get("arguments") if isinstance(params, dict) else None
-            if arguments is not None and _argument_size(arguments) > limit:
-                name = params.get("name") if isinstance(params, dict) else None
-                raise _Refusal.of(
-                    RequestTooLarge(
-                        f"the arguments of tools/call {clip(str(name), 80)!r} are larger than "
-                        f"{limit} bytes; send less at once",
-                        limit=limit,
-                        what="arguments",
-                    )
-                )
 
     async def _initialize(self, decoded: dict[str, Any], principal: str, send: Send) -> None:
         try:
@@ -619,6 +577,15 @@ def _kind(message: Any) -> str:
 
 def _is_call(message: dict[str, Any]) -> bool:
     return message.get("method") == "tools/call"
+
+
+def _call_arguments(messages: list[Any]) -> Iterator[tuple[str, Any]]:
+    """``(label, arguments)`` of each ``tools/call`` in ``messages``, for the size check."""
+    for message in messages:
+        if isinstance(message, dict) and _is_call(message):
+            params = message.get("params")
+            if isinstance(params, dict):
+                yield f"tools/call {clip(str(params.get('name')), 80)!r}", params.get("arguments")
 
 
 def _is_initialize(decoded: Any) -> bool:

@@ -44,10 +44,10 @@ import uvicorn
 from agent_backend.daemon.app import DaemonState, create_app
 from agent_backend.daemon.settings import DaemonSettings
 from agent_backend.daemon.transport import (
-    CoalescingHTTPProtocol,
     ConnectionGuard,
     ConnectionLimits,
     RefusalLog,
+    watch_requests,
 )
 from agent_backend.dispatch import Dispatcher
 from agent_backend.errors import ConfigError
@@ -176,7 +176,8 @@ class DaemonServer:
         self.state = DaemonState()
         self.app = create_app(dispatcher, settings, state=self.state)
         config = uvicorn.Config(
-            self.app,
+            # The guarded protocol learns when a request's app is done (transport.py).
+            watch_requests(self.app),
             lifespan="on",
             log_config=None,
             log_level=log_level,
@@ -185,7 +186,6 @@ class DaemonServer:
             timeout_graceful_shutdown=settings.grace,  # type: ignore[arg-type]
             timeout_keep_alive=settings.keep_alive_timeout,  # type: ignore[arg-type]
             server_header=False,
-            http=CoalescingHTTPProtocol,
         )
         self._server = _UvicornServer(config, state=self.state, handle_signals=handle_signals)
         self.refusals = RefusalLog()
@@ -227,9 +227,7 @@ class DaemonServer:
         )
         logger.info("at most %d open connections", limits.max_connections)
         guard = ConnectionGuard(limits, log=self.refusals)
-        self._server.config.http = CoalescingHTTPProtocol.bounded(guard)
-        # Only under uvicorn's pure-Python fallback (no httptools): its own bound, answered 400.
-        self._server.config.h11_max_incomplete_event_size = settings.max_head_bytes
+        self._server.config.http = guard.protocol()
         sock = bind_socket(self.settings.host, self.settings.port)
         self.address = sock.getsockname()[:2]
         self.port = sock.getsockname()[1]

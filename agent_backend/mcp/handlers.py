@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import mcp_types as types
@@ -39,7 +38,7 @@ __all__ = [
     "INSTRUCTIONS",
     "SERVED_VERSIONS",
     "SERVER_NAME",
-    "CallObserver",
+    "CallRunner",
     "JsonRpcError",
     "McpHandlers",
     "negotiate_version",
@@ -56,9 +55,9 @@ INSTRUCTIONS: Final = (
 #: The protocol versions served over HTTP: the initialize-handshake era (it has sessions).
 SERVED_VERSIONS: Final[tuple[str, ...]] = HANDSHAKE_PROTOCOL_VERSIONS
 
-#: Called after each ``tools/call`` with the tool's name, its result or the
-#: infrastructure error it raised, and the seconds it took (the daemon's metrics).
-CallObserver = Callable[[str, "ToolResult | AgentBackendError", float], None]
+#: Runs one ``tools/call`` in a session: its result, or the infrastructure error it raised.
+#: The default is the dispatcher's own call; the daemon passes its call path's (limits, metrics).
+CallRunner = Callable[[ToolCall, "Session | None"], Awaitable[ToolResult]]
 
 
 class JsonRpcError(Exception):
@@ -102,11 +101,11 @@ def _invalid_params(method: str, exc: pydantic.ValidationError) -> JsonRpcError:
 class McpHandlers:
     """``tools/list`` and ``tools/call`` (and, for a bare transport, the rest) for one dispatcher."""
 
-    def __init__(self, dispatcher: Dispatcher, *, observe: CallObserver | None = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, *, run: CallRunner | None = None) -> None:
         from agent_backend import __version__
 
         self.dispatcher = dispatcher
-        self.observe = observe
+        self.run = run if run is not None else self._dispatch
         self.server_info: dict[str, Any] = {"name": SERVER_NAME, "version": __version__}
         self._ids = itertools.count(1)
         self._tools: list[dict[str, Any]] | None = None
@@ -135,20 +134,18 @@ class McpHandlers:
     ) -> dict[str, Any]:
         """Run one call in ``session``; its MCP result in wire form, ``isError`` for any failure."""
         call = ToolCall(call_id or f"mcp_{next(self._ids)}", name, dict(arguments or {}), "mcp")
-        started = time.perf_counter()
         try:
-            result = await self.dispatcher.call(call, session=session)
+            result = await self.run(call, session)
         except AgentBackendError as exc:
             # Overload is the caller's to retry (the result says so), not the operator's to read
-            # once per call: counted in the metrics (observe), logged at DEBUG.
+            # once per call: logged at DEBUG (the daemon counts it in its metrics).
             level = logging.DEBUG if isinstance(exc, PoolBusy) else logging.WARNING
             logger.log(level, "MCP call %r failed: %s: %s", name, type(exc).__name__, exc)
-            if self.observe is not None:
-                self.observe(name, exc, time.perf_counter() - started)
             return error_wire(exc)
-        if self.observe is not None:
-            self.observe(name, result, time.perf_counter() - started)
         return result_wire(result)
+
+    async def _dispatch(self, call: ToolCall, session: Session | None) -> ToolResult:
+        return await self.dispatcher.call(call, session=session)
 
     # -- the method table of a bare transport ---------------------------------------------------
 

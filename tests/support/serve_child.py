@@ -106,3 +106,29 @@ def closed_by_peer(sock: socket.socket, *, within: float) -> bool:
         return False
     except OSError:
         return True
+
+
+def read_one_response(sock: socket.socket) -> bytes:
+    """One whole response with a ``Content-Length`` from ``sock`` (its head and body may come
+    in separate reads), and nothing after it."""
+    received = b""
+    while b"\r\n\r\n" not in received:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return received
+        received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(
+        (
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        ),
+        0,
+    )
+    while len(body) < length:
+        chunk = sock.recv(length - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body

@@ -304,8 +304,7 @@ def fast_path_parts(cases: list[Case], rounds: int) -> None:
     for name, values in parts.items():
         print(f"    {name:34} {us(statistics.median(values))}")
     print(
-        "    (the fast path copies with copy_plain_object;"
-        " parse_arguments takes what it refuses)"
+        "    (the fast path copies with copy_plain_object; parse_arguments takes what it refuses)"
     )
 
 

@@ -26,7 +26,7 @@ ray = require_ray()
 from agent_backend.backends.ray import RayBackend  # noqa: E402
 from agent_backend.errors import ResourceUnavailable  # noqa: E402
 
-pytestmark = [pytest.mark.anyio, pytest.mark.timeout(240), pytest.mark.xdist_group("ray-nodes")]
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(400), pytest.mark.xdist_group("ray-nodes")]
 
 #: Ray's node health checks, shortened: a killed node is marked dead in about 1.5 s.
 _HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
@@ -103,7 +103,8 @@ async def test_placement_by_labels_and_by_placement_group(three: dict[str, str])
         bundles=[{"CPU": 0.1, "GPU": 1}, {"GPU": 1}],  # two GPUs of one node
     )
     async with RayBackend.from_config(grouped) as pool:
-        where = (await pool.call("group_gpus")).value
+        # Its child task needs a Ray worker started for it: seconds idle, over 30 s under load.
+        where = (await pool.call("group_gpus", timeout=300)).value
         # The actor's child task ran in its group's second bundle: same node, the other GPU.
         assert where["node_id"] == three["two"]
         assert where["child"]["node_id"] == where["node_id"]
@@ -161,7 +162,7 @@ async def test_a_node_killed_mid_call_loses_no_idempotent_call(
         assert len(results) == 48  # none lost: the retries went to the other nodes
         assert stats.nodes_lost == 1
         assert stats.retries >= 1
-        await settle(pool, lambda: pool.statistics().actors_live == 3, within=60)
+        await settle(pool, lambda: pool.statistics().actors_live == 3)
         # One restart for the one actor that died; its replacement is on a living node.
         assert pool.statistics().restarts == 1
         assert victim not in {a.node_id for a in pool.actors()}
@@ -181,14 +182,14 @@ async def test_a_replica_waits_for_a_new_node_without_spending_its_restarts(
     )
     async with RayBackend.from_config(config) as pool:
         nodes.kill(first)
-        await settle(pool, lambda: pool.statistics().nodes_lost == 1, within=60)
+        await settle(pool, lambda: pool.statistics().nodes_lost == 1)
         # No node can hold the replacement: it waits, at no cost (a start that times out
         # meanwhile is tried again, also at no cost: tests/test_ray_actors.py).
         assert pool.statistics().restarts == 1
         await settle(pool, lambda: [a.state for a in pool.actors()] == ["starting"])
         second = nodes.add(slot=1)
         registered = time.monotonic()
-        await settle(pool, lambda: pool.statistics().actors_live == 1, within=60)
+        await settle(pool, lambda: pool.statistics().actors_live == 1)
         serving = time.monotonic() - registered
         answer = await pool.call("node_hold", {"seconds": 0})
         assert answer.value["node_id"] == second
